@@ -327,6 +327,8 @@ def run_search(config: Config, *, verify: bool = False, phases: Phases):
     verification = None
     if verify and stats is not None:
         e = plan.estimate
+        if config.profile().forms_reduce_scatter:
+            stats = stats.formed()  # as a GPU/TPU compiler runs it, like the pricing
         verification = report.Verification(
             e.comm_bytes, stats.bytes_sent, e.peak_bytes, stats.peak_bytes, e.compute_s,
             priced.compute_s, stats.by_kind())

@@ -58,6 +58,11 @@ class CollectiveOp:
         enclosing while loops (an unknown trip count counts as 1).
     count_known: False when some enclosing loop's trip count is unknown.
     op_name: the jax op this came from (HLO metadata), for reports.
+    sliced_nbytes: for an all-reduce, the operand bytes whose every use reads only a 1/n
+        slice indexed by the device (a dynamic-slice, or on CPU a fusion taking the
+        partition id): "all-reduce, keep a slice", which GPU and TPU compilers turn into a
+        reduce-scatter and XLA:CPU does not (JAX-NOTES). `analysis/price.py` prices those
+        bytes as the reduce-scatter a GPU/TPU would run.
     """
 
     kind: str
@@ -72,6 +77,23 @@ class CollectiveOp:
     count: int = 1
     count_known: bool = True
     op_name: str = ""
+    sliced_nbytes: int = 0
+
+    def formed(self) -> tuple[CollectiveOp, ...]:
+        """This collective as a GPU or TPU compiler runs it: the sliced bytes of an
+        all-reduce become a reduce-scatter, the rest stays an all-reduce."""
+        if self.kind != "all-reduce" or self.sliced_nbytes <= 0:
+            return (self,)
+        rest = self.nbytes - self.sliced_nbytes
+        scatter = dataclasses.replace(
+            self, kind="reduce-scatter", nbytes=self.sliced_nbytes, sliced_nbytes=0,
+            shapes=(), dtypes=(),
+            bytes_sent=_ring_bytes("reduce-scatter", self.sliced_nbytes, self.group_size))
+        if rest <= 0:
+            return (scatter,)
+        kept = dataclasses.replace(self, nbytes=rest, sliced_nbytes=0,
+                                   bytes_sent=_ring_bytes("all-reduce", rest, self.group_size))
+        return (kept, scatter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +119,12 @@ class ProgramStats:
     generated_code_bytes: int = 0
     xla_peak_bytes: int = 0
     num_devices: int = 1
+
+    def formed(self) -> ProgramStats:
+        """The program as a GPU or TPU compiler would run its collectives: every
+        "all-reduce, keep a slice" a reduce-scatter (CollectiveOp.formed)."""
+        ops = tuple(f for c in self.collectives for f in c.formed())
+        return dataclasses.replace(self, collectives=ops)
 
     @property
     def bytes_sent(self) -> float:
@@ -433,6 +461,83 @@ def _ring_bytes(kind: str, nbytes: int, n: int, moves: bool = True) -> float:
     return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * nbytes if n > 1 else 0.0
 
 
+class _Users:
+    """Who reads what inside one computation: name -> the instructions that take it as an
+    operand; a tuple's elements are read through get-tuple-element (index -> users)."""
+
+    def __init__(self, instrs: Sequence[_Instr]):
+        self._by_name = {i.name: i for i in instrs}
+        self._users: dict[str, list[_Instr]] | None = None
+        self._instrs = instrs
+
+    def _build(self) -> dict[str, list[_Instr]]:
+        if self._users is None:
+            self._users = {}
+            for i in self._instrs:
+                for op in _split_top(i.operands):
+                    self._users.setdefault(op.split()[-1].lstrip("%"), []).append(i)
+        return self._users
+
+    def of(self, name: str) -> _UseSite:
+        return _UseSite(self, name)
+
+    def direct(self, name: str) -> list[_Instr]:
+        return self._build().get(name, [])
+
+    def opcode(self, name: str) -> str:
+        i = self._by_name.get(name)
+        return i.opcode if i else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _UseSite:
+    users: _Users
+    name: str
+
+    def element_users(self, k: int, is_tuple: bool) -> list[_Instr]:
+        direct = self.users.direct(self.name)
+        if not is_tuple:
+            return direct
+        out = []
+        for u in direct:
+            if u.opcode != "get-tuple-element":
+                return [u]  # the whole tuple escapes: not a slice
+            if u.attrs.get("index") == str(k):
+                out += self.users.direct(u.name)
+        return out
+
+
+_DEVICE_INDEX = ("partition-id", "replica-id")
+
+
+def _reads_a_slice(user: _Instr, elements: int, n: int, users: _Users) -> bool:
+    """Whether `user` keeps only a device-indexed 1/n slice of an operand of `elements`."""
+    if user.opcode == "dynamic-slice":
+        pass
+    elif user.opcode == "fusion":
+        names = [op.split()[-1].lstrip("%") for op in _split_top(user.operands)]
+        if not any(users.opcode(x) in _DEVICE_INDEX for x in names):
+            return False
+    else:
+        return False
+    out = _arrays(user.shape)
+    return bool(out) and all(math.prod(d) * n <= elements for d, _ in out)
+
+
+def _sliced_bytes(result: str, site: _UseSite, n: int) -> int:
+    """Bytes of an all-reduce's results whose every use reads only a 1/n device slice."""
+    if n <= 1:
+        return 0
+    total = 0
+    is_tuple = result.lstrip().startswith("(")
+    for k, (dims, ty) in enumerate(_arrays(result)):
+        elements = math.prod(dims)
+        readers = site.element_users(k, is_tuple)
+        if readers and all(_reads_a_slice(u, elements, n, site.users) for u in readers):
+            total += _nbytes([(dims, ty)])
+    return total
+
+
 def _called(instr: _Instr) -> Iterator[str]:
     for key in _CALL_ATTRS:
         yield from re.findall(r"%?([^\s{},%]+)", instr.attrs.get(key, ""))
@@ -489,7 +594,7 @@ def parse_collectives(
             total += _nbytes(_arrays(shapes[name]))
         return total
 
-    def collective(instr: _Instr, kind: str, result: str, ctx) -> CollectiveOp:
+    def collective(instr: _Instr, kind: str, result: str, ctx, users) -> CollectiveOp:
         count, in_loop, known = ctx
         arrays = _arrays(result)
         if kind == "collective-permute":
@@ -511,12 +616,14 @@ def parse_collectives(
         else:
             nbytes = result_bytes * (n if kind == "reduce-scatter" else 1)
         meta = re.search(r'op_name="([^"]*)"', instr.attrs.get("metadata", ""))
+        sliced = _sliced_bytes(result, users, n) if kind == "all-reduce" else 0
         return CollectiveOp(
             kind=kind, shapes=tuple(d for d, _ in arrays),
             dtypes=tuple(_dtype(t)[0] for _, t in arrays), nbytes=int(nbytes),
             groups=tuple(tuple(g) for g in groups), group_size=n,
             bytes_sent=_ring_bytes(kind, nbytes, n, moves), in_loop=in_loop, name=instr.name,
             count=count, count_known=known, op_name=meta.group(1) if meta else "",
+            sliced_nbytes=sliced,
         )
 
     def walk(comp: str, ctx, stack: tuple[str, ...]) -> None:
@@ -530,13 +637,15 @@ def parse_collectives(
             if i.opcode.endswith("-done"):
                 for op in _split_top(i.operands):
                     done[op.split()[-1].lstrip("%")] = i
+        users = _Users(instrs)
         for instr in instrs:
             op = instr.opcode
             if op in KINDS:
-                out.append(collective(instr, op, instr.shape, ctx))
+                out.append(collective(instr, op, instr.shape, ctx, users.of(instr.name)))
             elif op.endswith("-start") and op[:-6] in KINDS:
                 end = done.get(instr.name)
-                out.append(collective(instr, op[:-6], end.shape if end else instr.shape, ctx))
+                out.append(collective(instr, op[:-6], end.shape if end else instr.shape, ctx,
+                                      users.of(end.name if end else instr.name)))
             if op in ("async-update", "async-done") or op.endswith("-done"):
                 continue  # the -start already walked what it runs
             count, _, known = ctx

@@ -7,11 +7,12 @@ flops of `compiled.cost_analysis()` at the profile's peak for the dtype, communi
 alpha-beta time of every collective in the partitioned HLO over the link of the mesh axes its
 replica groups span (`HardwareProfile.axis_links`), memory is `compiled.memory_analysis()`.
 
-Caveat: XLA:CPU never forms reduce-scatters (JAX-NOTES): where a GPU or TPU compiler would
-fuse "all-reduce, keep a slice" into a reduce-scatter, the CPU program keeps the all-reduce,
-so the priced step of a CPU-compiled program over-counts that communication (2x the bytes of
-the reduce-scatter). It does so equally for the plan and the baselines (FSDP and Megatron
-gradients alike), so the comparison stays fair; absolute communication times are high.
+XLA:CPU never forms reduce-scatters (JAX-NOTES): where a GPU or TPU compiler turns
+"all-reduce, keep a device's slice" into a reduce-scatter, the CPU program keeps the
+all-reduce. `analysis/hlo.py` finds those all-reduces (every use of the result reads a
+device-indexed 1/n slice), and for a profile that forms reduce-scatters
+(`HardwareProfile.forms_reduce_scatter`) they are priced as the reduce-scatter the real
+compiler would run (`ProgramStats.formed`), for the plan and the baselines alike.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def price(stats: hlo.ProgramStats, mesh_shape: MeshShape, device_ids_grid: Any,
       dtype: the arithmetic dtype of the step (bfloat16 runs at peak_flops, float32 at
         peak_flops_f32; see HardwareProfile.flops_for).
     """
+    if hw.forms_reduce_scatter:
+        stats = stats.formed()
     grid = np.asarray(device_ids_grid)
     links = hw.axis_links(mesh_shape, device_order=[int(d) for d in grid.flat])
     per_kind: dict[str, list] = {}

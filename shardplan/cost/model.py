@@ -1,14 +1,17 @@
-"""The cost model the ILP minimises: compute (roofline of flops and memory traffic per device),
+"""The cost model the ILP minimises: compute (a fusion-aware roofline of flops and memory
+traffic per device),
 communication (alpha-beta per mesh axis), resharding between specs, and bytes per device."""
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Protocol
 
 from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.ir.graph import Graph, Node, Value
+from shardplan.strategies import elementwise, other
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
@@ -32,15 +35,33 @@ class CostModel(Protocol):
     def value_bytes(self, value: Value, spec: ShardSpec) -> float: ...
 
 
+# Ops XLA fuses into loop or input fusions with their neighbours: their intermediates are
+# never written to memory, only what the fusion reads from outside and what it leaves behind.
+FUSED = frozenset({
+    *elementwise.ELEMENTWISE, *other.RANDOM, "random_bits", *other.IDENTITIES,
+    "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "reshape", "slice", "pad", "rev",
+    "concatenate", "iota", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+    "reduce_and", "reduce_or", "argmax", "argmin",
+})
+
+
 class AlphaBetaCost:
-    """Compute at the profile's peak (or its memory bandwidth, whichever binds), collectives
-    by the ring model over each mesh axis's link."""
+    """Compute as a roofline per node over flops and memory traffic, collectives by the ring
+    model over each mesh axis's link.
+
+    Traffic is fusion-aware: a dot, convolution, gather, scatter, sort... reads its operands
+    and writes its results; an op XLA fuses (FUSED) only reads and writes what crosses the
+    fusion's edge (the step's inputs and outputs, what non-fused ops produce and read). Charging every jaxpr node its own operand and result
+    traffic counted 8x the compiled step's compute on GPT-2 1.5B (541 ms against 68.7 ms for
+    its compiled flops on an A100 profile) and made the planner trade communication for
+    elementwise traffic that XLA never does."""
 
     def __init__(self, mesh: MeshShape, hardware: HardwareProfile, device_order=None):
         self.mesh = mesh
         self.hardware = hardware
         self.links = hardware.axis_links(mesh, device_order)
         self._reshard = functools.lru_cache(maxsize=None)(self._reshard_uncached)
+        self._edges: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _peak(self, dtype: str) -> float:
         try:
@@ -52,14 +73,28 @@ class AlphaBetaCost:
         """(compute seconds, communication seconds) of one node under one strategy."""
         out_dtype = graph.values[node.outputs[0]].dtype if node.outputs else "float32"
         compute = strategy.flops / self._peak(out_dtype)
+        fused = node.primitive in FUSED
+        edges = self._fusion_edges(graph) if fused else None
         traffic = 0.0
-        for vid, spec in zip(node.inputs, strategy.in_specs):
-            traffic += self.value_bytes(graph.values[vid], spec)
-        for vid, spec in zip(node.outputs, strategy.out_specs):
-            traffic += self.value_bytes(graph.values[vid], spec)
+        for vid, spec in zip((*node.inputs, *node.outputs), (*strategy.in_specs, *strategy.out_specs)):
+            if not fused or vid in edges:
+                traffic += self.value_bytes(graph.values[vid], spec)
         compute = max(compute, traffic / self.hardware.mem_bandwidth)
         comm = collectives.comms_time(strategy.comms, self.mesh, self.links)
         return compute, comm
+
+    def _fusion_edges(self, graph: Graph) -> frozenset[int]:
+        """Values a fusion reads from or writes to memory: the step's inputs and outputs, and
+        what a non-fused op (a dot, a gather...) produces or reads."""
+        edges = self._edges.get(graph)
+        if edges is None:
+            found = set(graph.boundary_values())
+            for n in graph.nodes:
+                if n.primitive not in FUSED:
+                    found.update(n.inputs)
+                    found.update(n.outputs)
+            edges = self._edges[graph] = frozenset(found)
+        return edges
 
     def _reshard_uncached(self, shape, itemsize, src: ShardSpec, dst: ShardSpec) -> float:
         return collectives.reshard_time(

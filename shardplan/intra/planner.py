@@ -165,11 +165,12 @@ class _Problem:
 
     def node_times(self, m: int, k: int) -> tuple[float, float]:
         if m < self.num_inputs:
-            # An input is read from device memory once: sharded inputs cost less, which also
-            # breaks ties toward splitting the batch where nothing else decides.
+            # A tie-break, not a cost (compiled programs are priced by flops and collectives):
+            # a thousandth of the time to read the input once, so that where nothing else
+            # decides, smaller shards (the batch split, the state sharded) win.
             value = self.graph.values[self.graph.inputs[m]]
             spec = self.strategies[m][k].out_specs[0]
-            return self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth, 0.0
+            return 1e-3 * self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth, 0.0
         if m >= self.num_real:
             return 0.0, 0.0
         key = (m, k)
@@ -338,7 +339,7 @@ def _pinned(problem: _Problem, inp: ilp.SolverInput, fixed: Mapping[int, ShardSp
     hint = tuple(int(np.argmin(c)) for c in costs)
     # A seed is a guard, not the search: it gets a short time limit.
     return dataclasses.replace(inp, node_costs=tuple(costs), hint=hint,
-                               time_limit_s=min(inp.time_limit_s, 3.0))
+                               time_limit_s=min(inp.time_limit_s, 30.0))
 
 
 def _solve_with_seeds(problem: _Problem, inp: ilp.SolverInput, options: IntraOptions):

@@ -84,6 +84,15 @@ class Graph:
     def flops(self) -> float:
         return float(sum(n.flops for n in self.nodes))
 
+    def boundary_values(self) -> frozenset[int]:
+        """The step's inputs, constants and outputs: what lives in device memory across the
+        step (a fused op reads or writes memory only for these)."""
+        cached = self.__dict__.get("_boundary")
+        if cached is None:
+            cached = frozenset((*self.inputs, *self.consts, *self.outputs))
+            self.__dict__["_boundary"] = cached
+        return cached
+
     def producers(self) -> dict[int, tuple[int, int]]:
         """Map value id -> (node id, output index) for every value a node produces."""
         out = {}
