@@ -43,6 +43,7 @@ class Options:
     num_micro_batches: int | None = None
     num_stages: int | None = None
     schedule: str = "1f1b"
+    measure: bool = False
 
 
 def _profile(hardware, backend: str) -> HardwareProfile:
@@ -80,7 +81,29 @@ def _plan_traced(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
         search_s=time.perf_counter() - start, notes=intra.notes,
         solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, {intra.num_choices} choices",
         in_tree=traced.in_tree, out_tree=traced.out_tree, device_mesh=device_mesh)
+    if options.measure:
+        from shardplan import measure
+
+        mesh = device_mesh if device_mesh is not None else _compile_mesh(mesh_shape)
+        plan, _ = measure.select(graph, traced, plan, mesh, hw, memory_budget=budget,
+                                 donate_argnums=traced.state_argnums)
+        plan = dataclasses.replace(plan, search_s=time.perf_counter() - start,
+                                   device_mesh=device_mesh)
     return plan, graph, intra
+
+
+def _compile_mesh(mesh_shape: MeshShape):
+    """A mesh of CPU devices standing in for the cluster, to compile candidates on."""
+    devices = jax.devices("cpu")
+    n = mesh_shape.num_devices
+    if len(devices) < n:
+        raise ValueError(
+            f"measure=True compiles the candidate plans on {n} CPU devices standing in for the "
+            f"cluster, and JAX runs {len(devices)}: call "
+            f"jax.config.update('jax_num_cpu_devices', {n}) before JAX first touches a device, "
+            "or pass measure=False")
+    return jax.sharding.Mesh(np.asarray(devices[:n]).reshape(mesh_shape.sizes), mesh_shape.names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_shape.sizes))
 
 
 class AutoStep:
@@ -168,7 +191,7 @@ def auto(fn=None, *, mesh=None, memory_budget=None, donate_argnums: Sequence[int
          hardware: str | HardwareProfile | None = None, time_limit: float = 30.0,
          seed: int = 0, workers: int = 1, plan: Plan | str | None = None,
          pipeline: bool | str = False, num_micro_batches: int | None = None,
-         num_stages: int | None = None, schedule: str = "1f1b"):
+         num_stages: int | None = None, schedule: str = "1f1b", measure: bool = False):
     """Plan and run a single-device train step over a device mesh.
 
     Use bare (`@shardplan.auto`: all devices on one axis) or with options. The step is traced
@@ -188,6 +211,10 @@ def auto(fn=None, *, mesh=None, memory_budget=None, donate_argnums: Sequence[int
         the step's gradient taken with shardplan.value_and_grad / shardplan.grad.
       num_micro_batches, num_stages, schedule ("1f1b" or "gpipe"): pipeline settings; by
         default the planner chooses.
+      measure: also compile the searched plan and the expert plans (data parallel, FSDP,
+        Megatron) with XLA on the mesh, price each program with `hardware`, and keep the
+        cheapest that fits the budget (shardplan.measure); planning takes a few compiles
+        longer.
     """
     if isinstance(plan, str):
         from shardplan.plan import load_plan
@@ -201,7 +228,7 @@ def auto(fn=None, *, mesh=None, memory_budget=None, donate_argnums: Sequence[int
                       None if state_argnums is None else tuple(state_argnums),
                       None if batch_argnums is None else tuple(batch_argnums),
                       hardware, float(time_limit), int(seed), int(workers),
-                      pipeline, num_micro_batches, num_stages, schedule)
+                      pipeline, num_micro_batches, num_stages, schedule, bool(measure))
     if fn is None:
         return lambda f: AutoStep(f, mesh, options, plan)
     if not callable(fn):
@@ -228,11 +255,15 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
            mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None,
            num_devices: int | None = None, memory_budget=None,
            state_argnums: Sequence[int] | None = None, batch_argnums: Sequence[int] | None = None,
-           time_limit: float = 30.0, seed: int = 0, workers: int = 1) -> Plan:
+           time_limit: float = 30.0, seed: int = 0, workers: int = 1,
+           measure: bool = False) -> Plan:
     """Plan a step for a cluster without devices: args may be ShapeDtypeStructs.
 
     `cluster` is a hardware profile name, optionally with a device count ("tpu-v4-32"), or a
     HardwareProfile; the mesh is `mesh_shape` (with `axis_names`) or all devices on one axis.
+    With `measure=True` the searched plan and the expert plans are compiled by XLA on CPU
+    devices standing in for the cluster, priced with the profile, and the cheapest that fits
+    is kept (JAX must run as many CPU devices as the mesh has).
     """
     if isinstance(cluster, HardwareProfile):
         hw, n = cluster, None
@@ -252,7 +283,7 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
     budget = parse_bytes(memory_budget)
     options = Options(budget, (), None if state_argnums is None else tuple(state_argnums),
                       None if batch_argnums is None else tuple(batch_argnums), hw,
-                      float(time_limit), int(seed), int(workers))
+                      float(time_limit), int(seed), int(workers), measure=bool(measure))
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
     plan, _, _ = _plan_traced(traced, MeshShape(names, mesh_shape), hw, options)
     return plan

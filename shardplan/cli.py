@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError, load_config
+from shardplan.measure import compile_for_analysis
 
 EXIT_OK, EXIT_USAGE, EXIT_INFEASIBLE = 0, 2, 3
 
@@ -164,23 +165,6 @@ def cpu_mesh(names: Sequence[str], sizes: Sequence[int]):
                              axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
 
 
-# Only the partitioned HLO, its buffer assignment and cost analysis are read from the
-# compiled programs, never run: LLVM's optimisations of the CPU code are wasted time. These
-# options leave flops, memory and collectives unchanged (checked on GPT-2 124M, 2x4 two_d)
-# and make compiling about 1.5-3x faster.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def compile_for_analysis(lowered):
-    """lowered.compile() with the fast options (plain compile if this XLA does not know them)."""
-    try:
-        return lowered.compile(compiler_options=FAST_COMPILE)
-    except RuntimeError as e:
-        if "compile option" not in str(e):
-            raise
-        return lowered.compile()
-
-
 def _device_grid(mesh):
     import numpy as np
 
@@ -200,6 +184,11 @@ def _search_kwargs(config: Config) -> dict:
     for key in ("pipeline", "num_micro_batches", "schedule"):
         if key in accepted:
             kwargs[key] = getattr(s, key)
+    if s.measure:
+        import jax
+
+        n = config.cluster.mesh.num_devices
+        kwargs["measure"] = n <= MAX_COMPILE_DEVICES and len(jax.devices("cpu")) >= n
     return kwargs
 
 
@@ -217,7 +206,8 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
     best, tried, infeasible = None, {}, []
     for names, sizes in config.cluster.mesh.candidates():
         label = " x ".join(f"{n}={k}" for n, k in zip(names, sizes))
-        with phases(f"planning {work.label} on mesh {label} (trace, strategies, ILP)"):
+        how = "trace, strategies, ILP" + (", compiling candidates" if kwargs.get("measure") else "")
+        with phases(f"planning {work.label} on mesh {label} ({how})"):
             try:
                 plan = shardplan.search(
                     work.fn, *work.args, cluster=hw, mesh_shape=sizes, axis_names=names,
@@ -426,7 +416,7 @@ def cmd_search(args) -> int:
     config = load_config(args.config, args.set or ())
     out, err = _consoles(args.quiet)
     n = config.cluster.mesh.num_devices
-    if n <= MAX_COMPILE_DEVICES and (config.output.compare or args.verify):
+    if n <= MAX_COMPILE_DEVICES and (config.output.compare or args.verify or config.search.measure):
         init_cpu_devices(n)
     run = run_search(config, verify=args.verify, phases=Phases(err))
     print_run(run, out)

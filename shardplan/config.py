@@ -168,6 +168,10 @@ class SearchSection(_Section):
     """Solver seed (plans are deterministic for a seed)."""
     workers: int = Field(1, ge=1)
     """Solver threads (1 keeps plans deterministic)."""
+    measure: bool = True
+    """Compile the searched plan and the expert plans with XLA on CPU devices, price each
+    with the cluster's profile and keep the cheapest that fits (meshes of at most 64
+    devices; on larger ones the cost model decides alone)."""
 
     @field_validator("pipeline", mode="before")
     @classmethod

@@ -100,6 +100,48 @@ def test_psum_scatter_is_a_reduce_scatter_of_the_operand(mesh2x4):
     assert sorted_groups(op) == axis_groups(mesh2x4, ["model"])
 
 
+def test_all_reduce_then_slice_is_a_reduce_scatter_once_formed(mesh8):
+    """XLA:CPU compiles "sum, keep my rows" as an all-reduce and a device-indexed slice; what a
+    GPU/TPU runs is a reduce-scatter, and formed() says so."""
+    a, b = jnp.ones((64, 128)), jnp.ones((128, 32))
+    f = jax.jit(lambda a, b: a @ b,
+                in_shardings=(NamedSharding(mesh8, P(None, "x")), NamedSharding(mesh8, P("x"))),
+                out_shardings=NamedSharding(mesh8, P("x")))
+    stats = hlo.analyze(f.lower(a, b).compile())
+    op = only(stats.collectives, "all-reduce")
+    assert op.nbytes == 64 * 32 * 4 and op.sliced_nbytes == op.nbytes
+    scatter = only(stats.formed().collectives, "reduce-scatter")
+    assert scatter.nbytes == op.nbytes and scatter.group_size == 8
+    assert scatter.bytes_sent == pytest.approx(7 / 8 * op.nbytes)
+    assert stats.formed().bytes_sent == pytest.approx(stats.bytes_sent / 2)
+
+
+def test_all_reduce_read_whole_stays_an_all_reduce(mesh8):
+    a, b = jnp.ones((64, 128)), jnp.ones((128, 32))
+    f = jax.jit(lambda a, b: jnp.tanh(a @ b),
+                in_shardings=(NamedSharding(mesh8, P(None, "x")), NamedSharding(mesh8, P("x"))),
+                out_shardings=NamedSharding(mesh8, P()))
+    stats = hlo.analyze(f.lower(a, b).compile())
+    assert only(stats.collectives, "all-reduce").sliced_nbytes == 0
+    assert stats.formed().collectives == stats.collectives
+
+
+def test_all_reduces_form_only_their_sliced_parts(mesh8):
+    """Two partial sums, one read whole and one sliced (XLA may combine them in a tuple)."""
+    a, b, c = jnp.ones((64, 128)), jnp.ones((128, 32)), jnp.ones((128, 16))
+    split_k = NamedSharding(mesh8, P(None, "x"))
+    rows = NamedSharding(mesh8, P("x"))
+    f = jax.jit(lambda a, b, c: (jnp.tanh(a @ b), a @ c), in_shardings=(split_k, rows, rows),
+                out_shardings=(NamedSharding(mesh8, P()), rows))
+    stats = hlo.analyze(f.lower(a, b, c).compile())
+    whole, sliced = 64 * 32 * 4, 64 * 16 * 4
+    assert sum(c.nbytes for c in stats.collectives if c.kind == "all-reduce") == whole + sliced
+    assert sum(c.sliced_nbytes for c in stats.collectives) == sliced
+    formed = stats.formed().by_kind()
+    assert formed["reduce-scatter"][1] == pytest.approx(7 / 8 * sliced)
+    assert formed["all-reduce"][1] == pytest.approx(2 * 7 / 8 * whole)
+
+
 def test_all_gather_counts_the_gathered_result(mesh2x4):
     f = shard_map_jit(lambda a: jax.lax.all_gather(a, "model", tiled=True),
                       mesh2x4, P("data", "model"), P("data"))

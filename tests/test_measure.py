@@ -1,0 +1,92 @@
+"""Measured selection: the searched plan and the expert plans compiled, priced, the cheapest
+that fits kept; an expert plan kept runs like the single-device step."""
+
+import jax
+import pytest
+
+import shardplan
+from shardplan import measure
+from shardplan.api import Options, _plan_traced
+from shardplan.cost.hardware import get_profile
+from shardplan.ir.trace import trace
+from shardplan.models import get_model
+from shardplan.strategies.spec import MeshShape
+from tests.conftest import auto_mesh
+from tests.test_api import assert_tree_close
+
+A100 = get_profile("a100-80gb")
+
+
+def _block():
+    return get_model("gpt", "tiny", abstract=True, batch_size=16, hidden=256, num_heads=8,
+                     ffn_dim=1024, num_layers=1, seq_len=64, dropout_rate=0.0)
+
+
+def _select(model, mesh, **kw):
+    traced = trace(model.fn, model.args, model.state_argnums, model.batch_argnums)
+    plan, graph, _ = _plan_traced(traced, MeshShape.of(mesh), A100,
+                                  Options(state_argnums=model.state_argnums,
+                                          batch_argnums=model.batch_argnums))
+    return measure.select(graph, traced, plan, mesh, A100, donate_argnums=traced.state_argnums,
+                          **kw)
+
+
+@pytest.fixture(scope="module")
+def block_selection():
+    return _select(_block(), auto_mesh((2, 4), ("data", "model")))
+
+
+def test_kept_plan_is_never_slower_than_any_candidate(block_selection):
+    kept, candidates = block_selection
+    names = [c.name for c in candidates]
+    assert names[0] == "searched" and {"data_parallel", "fsdp", "two_d"} <= set(names)
+    assert all(c.priced is not None for c in candidates), [c.error for c in candidates]
+    best = min(c.priced.total_s for c in candidates)
+    assert kept.estimate.total_s <= best * (1 + measure.MARGIN)
+    assert any(n.startswith("measured (compiled by XLA, priced as a100-80gb)") for n in kept.notes)
+
+
+def test_budget_excludes_candidates_that_do_not_fit(mesh2x4, block_selection):
+    _, candidates = block_selection
+    peaks = sorted(c.priced.peak_bytes for c in candidates)
+    budget = (peaks[0] + peaks[-1]) / 2
+    kept, again = _select(_block(), mesh2x4, memory_budget=budget)
+    assert kept.estimate.peak_bytes <= budget
+    fitting = [c.priced.total_s for c in again if c.priced.peak_bytes <= budget]
+    assert kept.estimate.total_s <= min(fitting) * (1 + measure.MARGIN)
+
+
+def test_expert_plans_run_like_the_single_device_step(mesh2x4):
+    model = get_model("gpt", "tiny", batch_size=8, num_layers=1, dropout_rate=0.0)
+    traced = trace(model.fn, model.args, model.state_argnums, model.batch_argnums)
+    plan, graph, _ = _plan_traced(traced, MeshShape.of(mesh2x4), A100, Options())
+    experts = measure.expert_plans(graph, plan)
+    assert set(experts) == {"data_parallel", "fsdp", "two_d"}
+    want = jax.jit(model.fn)(*model.args)
+    for name, expert in experts.items():
+        assert not expert.constraints and not expert.operand_specs, name
+        got = shardplan.auto(model.fn, mesh=mesh2x4, plan=expert)(*model.args)
+        assert_tree_close(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_auto_with_measure_runs_the_kept_plan(mesh2x4):
+    model = get_model("mlp", "tiny", batch_size=256)
+    step = shardplan.auto(model.fn, mesh=mesh2x4, hardware=A100, measure=True)
+    plan = step.plan(*model.args)
+    assert "kept" in plan.notes[-1]
+    assert_tree_close(step(*model.args), jax.jit(model.fn)(*model.args), rtol=2e-4, atol=2e-5)
+
+
+def test_search_with_measure_needs_the_devices():
+    model = _block()
+    with pytest.raises(ValueError, match="jax_num_cpu_devices"):
+        shardplan.search(model.fn, *model.args, cluster="a100-80gb", mesh_shape=(16,),
+                         measure=True)
+
+
+def test_compute_dtype_follows_the_flops():
+    model = get_model("gpt", "tiny", abstract=True, dtype="bfloat16")
+    traced = trace(model.fn, model.args, model.state_argnums, model.batch_argnums)
+    from shardplan.ir.lift import lift
+
+    assert measure.compute_dtype(lift(traced.closed_jaxpr, traced.arg_info)) == "bfloat16"
