@@ -4,12 +4,12 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,8 @@
 node of a transformer train step gets valid strategies, deterministically, in modest numbers."""
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax import lax

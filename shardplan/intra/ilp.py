@@ -151,7 +151,7 @@ def _build(inp: SolverInput, minimise_memory: bool):
 
     mem_exprs = []
     for row in inp.memory_rows:
-        expr = sum(int(math.ceil(float(v))) * x[n][k] for n, mem in row for k, v in enumerate(mem) if v > 0)
+        expr = sum(math.ceil(float(v)) * x[n][k] for n, mem in row for k, v in enumerate(mem) if v > 0)
         mem_exprs.append(expr)
     if minimise_memory:
         bound = int(sum(max(float(np.max(mem)) for _, mem in [t]) for row in inp.memory_rows for t in row)) + 1

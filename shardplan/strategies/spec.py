@@ -25,7 +25,7 @@ class MeshShape:
         names = tuple(mesh.axis_names)
         return cls(names, tuple(int(mesh.shape[n]) for n in names))
 
-    def size(self, axes: str | Sequence[str] = None) -> int:
+    def size(self, axes: str | Sequence[str] | None = None) -> int:
         if axes is None:
             return math.prod(self.sizes)
         if isinstance(axes, str):
