@@ -13,6 +13,7 @@ import shardplan
 from shardplan.analysis import hlo
 from shardplan.cost.hardware import get_profile
 from shardplan.models import get_model
+from tests.conftest import auto_mesh
 
 A100 = "a100-80gb"
 # XLA:CPU compiles a reduce-scatter as an all-reduce (JAX-NOTES): tests that read the compiled
@@ -165,14 +166,29 @@ def test_impossible_budget_says_what_is_needed(mesh8):
     assert e.value.min_bytes > 256 * 1024
 
 
-@pytest.mark.parametrize("name", ["gpt", "bert", "moe"])
-def test_predicted_bytes_match_compiled(name, mesh8):
-    """The cost model's bytes per device against the collectives XLA compiled (CPU: no
-    reduce-scatter, so the profile says so)."""
-    m = get_model(name, "tiny")
-    step = shardplan.auto(m.fn, mesh=mesh8, hardware=A100_ON_CPU)
+@pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["8", "2x4"])
+@pytest.mark.parametrize("name", ["gpt", "bert", "moe", "wresnet", "vit"])
+def test_predicted_bytes_match_compiled(name, shape):
+    """The cost model's bytes per device against the collectives XLA compiled, for the zoo on
+    1-D and 2-D meshes (the cpu profile: compute slow enough that every plan communicates,
+    and no reduce-scatters, as XLA:CPU compiles)."""
+    mesh = auto_mesh(shape, ("x",) if len(shape) == 1 else ("data", "model"))
+    m = get_model(name, "tiny", batch_size=64)
+    step = shardplan.auto(m.fn, mesh=mesh, hardware="cpu")
     plan = step.plan(*m.args)
     stats = hlo.analyze(step.lower(*m.args).compile())
+    assert plan.estimate.comm_bytes > 0.1 * 2**20
+    assert plan.estimate.comm_bytes == pytest.approx(stats.bytes_sent, rel=0.10)
+
+
+def test_predicted_bytes_match_compiled_with_reduce_scatters(mesh2x4):
+    """A profile that forms reduce-scatters, against the compiled program as a GPU/TPU runs
+    it (CPU all-reduce-then-slice priced as the reduce-scatter, analysis.hlo)."""
+    m = get_model("gpt", "tiny", batch_size=256)
+    step = shardplan.auto(m.fn, mesh=mesh2x4, hardware=A100)
+    plan = step.plan(*m.args)
+    stats = hlo.analyze(step.lower(*m.args).compile()).formed()
+    assert plan.estimate.comm_bytes > 2**20
     assert plan.estimate.comm_bytes == pytest.approx(stats.bytes_sent, rel=0.10)
 
 
