@@ -343,9 +343,10 @@ def _pinned(problem: _Problem, inp: ilp.SolverInput, fixed: Mapping[int, ShardSp
 
 
 def _solve_with_seeds(problem: _Problem, inp: ilp.SolverInput, options: IntraOptions):
-    """Solve the ILP free and with each expert plan's inputs pinned; keep the cheapest. The
-    free ILP is exact over its (merged, tied) space; the seeds guard against what merging and
-    tying leave out, so the plan is never worse than the experts' under the cost model."""
+    """Solve the ILP free and, unless that solve is proven optimal, with each expert plan's
+    inputs pinned; keep the cheapest. A pinned problem is the free one with fewer choices, so
+    it can only win when the free solve stopped at its time limit: the seeds are the guard
+    that the plan is never worse than the experts' under the cost model."""
     from shardplan.intra import seeds as seeds_mod
 
     candidates, notes, infeasible = [], [], None
@@ -353,7 +354,8 @@ def _solve_with_seeds(problem: _Problem, inp: ilp.SolverInput, options: IntraOpt
         candidates.append(("searched", ilp.solve(inp)))
     except ilp.InfeasibleMemory as e:
         infeasible = e
-    if options.seed_baselines and not options.fixed_inputs:
+    proven = bool(candidates) and candidates[0][1].optimal
+    if options.seed_baselines and not options.fixed_inputs and not proven:
         for name, fixed in seeds_mod.seeds(problem.graph, problem.mesh).items():
             pinned = _pinned(problem, inp, fixed)
             if pinned is None:
