@@ -142,6 +142,41 @@ def test_all_reduces_form_only_their_sliced_parts(mesh8):
     assert formed["all-reduce"][1] == pytest.approx(2 * 7 / 8 * whole)
 
 
+def test_bf16_collectives_widened_by_the_cpu_are_sent_as_bf16_once_formed(mesh8):
+    """XLA:CPU runs bf16 arithmetic in f32 and sends what it gathers or reduces in f32; a
+    GPU/TPU sends bf16: formed() halves those bytes (and reduce-scatters the sliced sum)."""
+    rows, rep = NamedSharding(mesh8, P("x")), NamedSharding(mesh8, P())
+    a = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((128, 128), jnp.bfloat16)
+
+    def gathered(a, w):
+        return jax.lax.with_sharding_constraint(jnp.tanh(a @ w), rep) @ w
+
+    stats = hlo.analyze(jax.jit(gathered, in_shardings=(rows, rep)).lower(a, w).compile())
+    op = only(stats.collectives, "all-gather")
+    assert op.dtypes == ("float32",) and op.nbytes == 64 * 128 * 4 and op.widened
+    assert only(stats.formed().collectives, "all-gather").nbytes == 64 * 128 * 2
+
+    split_k = NamedSharding(mesh8, P(None, "x"))
+    v = jax.ShapeDtypeStruct((128, 32), jnp.bfloat16)
+    for out, kind in ((rep, "all-reduce"), (rows, "reduce-scatter")):
+        f = jax.jit(lambda a, v: jnp.tanh(a @ v), in_shardings=(split_k, rows),
+                    out_shardings=out)
+        stats = hlo.analyze(f.lower(a, v).compile())
+        op = only(stats.collectives, "all-reduce")
+        assert op.widened and op.nbytes == 64 * 32 * 4
+        assert only(stats.formed().collectives, kind).nbytes == 64 * 32 * 2
+
+
+def test_f32_collectives_are_not_widened(mesh8):
+    rows, rep = NamedSharding(mesh8, P("x")), NamedSharding(mesh8, P())
+    f = jax.jit(lambda a: jax.lax.with_sharding_constraint(jnp.tanh(a), rep) * 2,
+                in_shardings=(rows,))
+    stats = hlo.analyze(f.lower(jnp.ones((64, 128))).compile())
+    assert not only(stats.collectives, "all-gather").widened
+    assert stats.formed().collectives == stats.collectives
+
+
 def test_all_gather_counts_the_gathered_result(mesh2x4):
     f = shard_map_jit(lambda a: jax.lax.all_gather(a, "model", tiled=True),
                       mesh2x4, P("data", "model"), P("data"))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,10 @@ class CollectiveOp:
         enclosing while loops (an unknown trip count counts as 1).
     count_known: False when some enclosing loop's trip count is unknown.
     op_name: the jax op this came from (HLO metadata), for reports.
+    widened: the collective moves f32 values that are bf16 (or f16) in the program: XLA:CPU
+        runs 16-bit float arithmetic in f32 and widens what it sends with it (the operand is
+        a conversion from 16 bits, or every use converts the result to 16 bits); a GPU or
+        TPU sends the 16-bit values.
     sliced_nbytes: for an all-reduce, the operand bytes whose every use reads only a 1/n
         slice indexed by the device (a dynamic-slice, or on CPU a fusion taking the
         partition id): "all-reduce, keep a slice", which GPU and TPU compilers turn into a
@@ -78,10 +82,18 @@ class CollectiveOp:
     count_known: bool = True
     op_name: str = ""
     sliced_nbytes: int = 0
+    widened: bool = False
 
     def formed(self) -> tuple[CollectiveOp, ...]:
-        """This collective as a GPU or TPU compiler runs it: the sliced bytes of an
-        all-reduce become a reduce-scatter, the rest stays an all-reduce."""
+        """This collective as a GPU or TPU compiler runs it: bf16 values sent as bf16, and the
+        sliced bytes of an all-reduce a reduce-scatter, the rest an all-reduce."""
+        if self.widened:
+            half = self.nbytes // 2
+            return dataclasses.replace(
+                self, widened=False, nbytes=half, sliced_nbytes=self.sliced_nbytes // 2,
+                dtypes=("bfloat16",) * len(self.dtypes),
+                bytes_sent=_ring_bytes(self.kind, half, self.group_size,
+                                       self.bytes_sent > 0)).formed()
         if self.kind != "all-reduce" or self.sliced_nbytes <= 0:
             return (self,)
         rest = self.nbytes - self.sliced_nbytes
@@ -488,6 +500,12 @@ class _Users:
         i = self._by_name.get(name)
         return i.opcode if i else ""
 
+    def get(self, name: str) -> _Instr | None:
+        return self._by_name.get(name)
+
+    def shapes(self) -> dict[str, str]:
+        return {name: i.shape for name, i in self._by_name.items()}
+
 
 @dataclasses.dataclass(frozen=True)
 class _UseSite:
@@ -524,18 +542,108 @@ def _reads_a_slice(user: _Instr, elements: int, n: int, users: _Users) -> bool:
     return bool(out) and all(math.prod(d) * n <= elements for d, _ in out)
 
 
-def _sliced_bytes(result: str, site: _UseSite, n: int) -> int:
-    """Bytes of an all-reduce's results whose every use reads only a 1/n device slice."""
+def _is_conversion(instr: _Instr, module: _Module) -> bool:
+    """A change of dtype only: a convert, or a one-operand fusion whose root is a convert."""
+    if instr.opcode == "convert":
+        return True
+    if instr.opcode != "fusion" or len(_split_top(instr.operands)) != 1:
+        return False
+    root = _root(module, instr)
+    return root is not None and root.opcode == "convert"
+
+
+def _past_conversions(readers: list[_Instr], users: _Users, module: _Module) -> list[_Instr]:
+    """The readers, with dtype conversions replaced by their own readers (twice at most)."""
+    for _ in range(2):
+        expanded = []
+        for r in readers:
+            expanded += users.direct(r.name) if _is_conversion(r, module) else [r]
+        readers = expanded
+    return readers
+
+
+def _sliced_bytes(result: str, site: _UseSite, n: int, module: _Module) -> int:
+    """Bytes of an all-reduce's results whose every use reads only a 1/n device slice
+    (after converting its dtype, as XLA:CPU does with 16-bit results)."""
     if n <= 1:
         return 0
     total = 0
     is_tuple = result.lstrip().startswith("(")
     for k, (dims, ty) in enumerate(_arrays(result)):
         elements = math.prod(dims)
-        readers = site.element_users(k, is_tuple)
+        readers = _past_conversions(site.element_users(k, is_tuple), site.users, module)
         if readers and all(_reads_a_slice(u, elements, n, site.users) for u in readers):
             total += _nbytes([(dims, ty)])
     return total
+
+
+_NARROW = ("bf16", "f16")
+
+
+def _root(module: _Module, instr: _Instr) -> _Instr | None:
+    """The root of the computation a fusion calls (its last instruction)."""
+    called = re.findall(r"%?([^\s{},%]+)", instr.attrs.get("calls", ""))
+    body = module.computations.get(called[0]) if called else None
+    return body[-1] if body else None
+
+
+def _narrow_type(shape: str) -> bool:
+    arrays = _arrays(shape)
+    return bool(arrays) and all(t in _NARROW for _, t in arrays)
+
+
+def _from_narrow(module: _Module, producer: _Instr | None, shapes: Mapping[str, str]) -> bool:
+    """Whether `producer` (a convert, or a fusion whose root is one) widens 16-bit floats."""
+    if producer is not None and producer.opcode == "fusion":
+        body = _root(module, producer)
+        if body is None:
+            return False
+        called = re.findall(r"%?([^\s{},%]+)", producer.attrs.get("calls", ""))[0]
+        shapes = {i.name: i.shape for i in module.computations[called]}
+        producer = body
+    if producer is None or producer.opcode != "convert":
+        return False
+    source = _split_top(producer.operands)[0]
+    source_shape = source if _ARRAY.search(source) else shapes.get(source.split()[-1].lstrip("%"), "")
+    return _narrow_type(source_shape)
+
+
+def _to_narrow(module: _Module, user: _Instr, operand: str) -> bool:
+    """Whether `user` converts its `operand` to 16-bit floats before anything else reads it."""
+    if user.opcode == "convert":
+        return _narrow_type(user.shape)
+    if user.opcode != "fusion":
+        return False
+    names = [op.split()[-1].lstrip("%") for op in _split_top(user.operands)]
+    called = re.findall(r"%?([^\s{},%]+)", user.attrs.get("calls", ""))
+    body = module.computations.get(called[0]) if called else None
+    if body is None or operand not in names:
+        return False
+    params = {i.name for i in body if i.opcode == "parameter"
+              and i.operands.strip() in {str(k) for k, x in enumerate(names) if x == operand}}
+    readers = [i for i in body if any(op.split()[-1].lstrip("%") in params
+                                      for op in _split_top(i.operands))]
+    return bool(readers) and all(i.opcode == "convert" and _narrow_type(i.shape) for i in readers)
+
+
+def _widened(instr: _Instr, arrays, users: _UseSite, module: _Module) -> bool:
+    """An f32 collective whose payload is 16-bit floats widened by XLA:CPU (see
+    CollectiveOp.widened): every operand comes from a conversion from 16 bits, or (for an
+    all-reduce, which XLA:CPU runs on the f32 result of a 16-bit dot) every use converts
+    the result to 16 bits first."""
+    if not arrays or any(t != "f32" for _, t in arrays):
+        return False
+    table = users.users
+    names = [op.split()[-1].lstrip("%") for op in _split_top(instr.operands)]
+    shapes = table.shapes()
+    if names and all(_from_narrow(module, table.get(x), shapes) for x in names):
+        return True
+    if instr.opcode not in ("all-reduce", "all-reduce-done", "all-reduce-start"):
+        return False
+    if len(arrays) != 1:
+        return False
+    readers = table.direct(users.name)
+    return bool(readers) and all(_to_narrow(module, u, users.name) for u in readers)
 
 
 def _called(instr: _Instr) -> Iterator[str]:
@@ -616,14 +724,15 @@ def parse_collectives(
         else:
             nbytes = result_bytes * (n if kind == "reduce-scatter" else 1)
         meta = re.search(r'op_name="([^"]*)"', instr.attrs.get("metadata", ""))
-        sliced = _sliced_bytes(result, users, n) if kind == "all-reduce" else 0
+        sliced = _sliced_bytes(result, users, n, module) if kind == "all-reduce" else 0
+        widened = _widened(instr, arrays, users, module)
         return CollectiveOp(
             kind=kind, shapes=tuple(d for d, _ in arrays),
             dtypes=tuple(_dtype(t)[0] for _, t in arrays), nbytes=int(nbytes),
             groups=tuple(tuple(g) for g in groups), group_size=n,
             bytes_sent=_ring_bytes(kind, nbytes, n, moves), in_loop=in_loop, name=instr.name,
             count=count, count_known=known, op_name=meta.group(1) if meta else "",
-            sliced_nbytes=sliced,
+            sliced_nbytes=sliced, widened=widened,
         )
 
     def walk(comp: str, ctx, stack: tuple[str, ...]) -> None:

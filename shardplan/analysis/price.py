@@ -7,12 +7,17 @@ flops of `compiled.cost_analysis()` at the profile's peak for the dtype, communi
 alpha-beta time of every collective in the partitioned HLO over the link of the mesh axes its
 replica groups span (`HardwareProfile.axis_links`), memory is `compiled.memory_analysis()`.
 
-XLA:CPU never forms reduce-scatters (JAX-NOTES): where a GPU or TPU compiler turns
-"all-reduce, keep a device's slice" into a reduce-scatter, the CPU program keeps the
-all-reduce. `analysis/hlo.py` finds those all-reduces (every use of the result reads a
-device-indexed 1/n slice), and for a profile that forms reduce-scatters
-(`HardwareProfile.forms_reduce_scatter`) they are priced as the reduce-scatter the real
-compiler would run (`ProgramStats.formed`), for the plan and the baselines alike.
+Two things XLA:CPU does differently from a GPU or TPU compiler would make CPU-compiled
+programs look dearer than they run on the accelerator, and not alike for every plan:
+
+- it never forms reduce-scatters (JAX-NOTES): "all-reduce, keep a device's slice" stays an
+  all-reduce (2x the bytes of the reduce-scatter);
+- it runs bf16 arithmetic in f32 and sends the widened values (2x the bytes of bf16).
+
+`analysis/hlo.py` recognises both in the partitioned HLO, and for an accelerator profile
+(`HardwareProfile.forms_reduce_scatter`) the program is priced as the accelerator would run
+it (`ProgramStats.formed`), for the plan and the baselines alike. The `cpu` profile prices
+the CPU program as compiled.
 """
 
 from __future__ import annotations
