@@ -63,30 +63,37 @@ def _plan_traced(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
     graph = lift(traced.closed_jaxpr, traced.arg_info)
     cost = AlphaBetaCost(mesh_shape, hw, device_order)
     budget = options.memory_budget
-    intra = plan_intra(graph, mesh_shape, cost, IntraOptions(
-        memory_budget=budget, time_limit_s=options.time_limit, seed=options.seed,
-        workers=options.workers))
-    ops = []
-    for node in graph.nodes:
-        s = intra.node_strategies[node.id]
-        c, k = cost.node_time(graph, node, s)
-        ops.append(OpRow(node.primitive, node.name, s.name, c, k))
-    plan = Plan(
-        mesh=mesh_shape, hardware=hw.name,
-        input_names=traced.arg_info.input_names, input_specs=intra.input_specs,
-        output_names=traced.arg_info.output_names, output_specs=intra.output_specs,
-        constraints={v: intra.value_specs[v] for v in sorted(intra.constrained)},
-        estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
-        memory_budget=budget, ops=tuple(ops),
-        search_s=time.perf_counter() - start, notes=intra.notes,
-        solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, {intra.num_choices} choices",
-        in_tree=traced.in_tree, out_tree=traced.out_tree, device_mesh=device_mesh)
+
+    def plan_for(ilp_budget) -> tuple[Plan, IntraPlan]:
+        intra = plan_intra(graph, mesh_shape, cost, IntraOptions(
+            memory_budget=ilp_budget, time_limit_s=options.time_limit, seed=options.seed,
+            workers=options.workers))
+        ops = []
+        for node in graph.nodes:
+            s = intra.node_strategies[node.id]
+            c, k = cost.node_time(graph, node, s)
+            ops.append(OpRow(node.primitive, node.name, s.name, c, k))
+        plan = Plan(
+            mesh=mesh_shape, hardware=hw.name,
+            input_names=traced.arg_info.input_names, input_specs=intra.input_specs,
+            output_names=traced.arg_info.output_names, output_specs=intra.output_specs,
+            constraints={v: intra.value_specs[v] for v in sorted(intra.constrained)},
+            estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
+            memory_budget=budget, ops=tuple(ops),
+            search_s=time.perf_counter() - start, notes=intra.notes,
+            solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, "
+                   f"{intra.num_choices} choices",
+            in_tree=traced.in_tree, out_tree=traced.out_tree, device_mesh=device_mesh)
+        return plan, intra
+
+    plan, intra = plan_for(budget)
     if options.measure:
         from shardplan import measure
 
         mesh = device_mesh if device_mesh is not None else _compile_mesh(mesh_shape)
         plan, _ = measure.select(graph, traced, plan, mesh, hw, memory_budget=budget,
-                                 donate_argnums=traced.state_argnums)
+                                 donate_argnums=traced.state_argnums,
+                                 replan=lambda b: plan_for(b)[0])
         plan = dataclasses.replace(plan, search_s=time.perf_counter() - start,
                                    device_mesh=device_mesh)
     return plan, graph, intra

@@ -27,6 +27,7 @@ import numpy as np
 from shardplan.analysis import hlo
 from shardplan.analysis.price import PricedStep, price
 from shardplan.cost.hardware import HardwareProfile
+from shardplan.intra.ilp import InfeasibleMemory
 from shardplan.ir.graph import Graph, Role
 from shardplan.plan import Estimate, Plan
 from shardplan.strategies.spec import ShardSpec
@@ -131,29 +132,57 @@ def _measured_estimate(c: Candidate) -> Estimate:
                     p.bytes_sent)
 
 
+# Times the planner re-plans under a tighter budget when its plan compiles over the budget.
+RECALIBRATIONS = 2
+
+
 def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
            memory_budget: float | None = None, donate_argnums: Sequence[int] = (),
+           replan: Callable[[float], Plan] | None = None,
            progress: Callable[[str], Any] | None = None) -> tuple[Plan, tuple[Candidate, ...]]:
     """Compile the searched plan and every expert plan on `mesh`, keep the cheapest priced
     program that fits `memory_budget` (compiled peak bytes per device). The searched plan is
     kept unless another is cheaper by more than MARGIN; when nothing fits, the one that needs
     the least memory is kept. The kept plan's estimate becomes the measured one and its
-    notes list every candidate."""
+    notes list every candidate.
+
+    The memory model misses some of XLA's temporaries, so a searched plan can compile over a
+    budget it fitted by the estimate: then `replan(budget)` (the ILP under another budget) is
+    asked again with the budget scaled by estimate / compiled peak, up to RECALIBRATIONS
+    times, and each re-plan is a candidate too."""
     dtype = compute_dtype(graph)
-    candidates = []
-    for name, p in {"searched": plan, **expert_plans(graph, plan)}.items():
+
+    def run(name, p):
         if progress is not None:
             progress(f"compiling and pricing the {name} plan")
-        candidates.append(measure(graph, traced, p, mesh, hw, name, donate_argnums, dtype))
+        return measure(graph, traced, p, mesh, hw, name, donate_argnums, dtype)
+
+    candidates = [run("searched", plan)]
+    ilp_budget = memory_budget
+    for k in range(RECALIBRATIONS if replan is not None and memory_budget else 0):
+        last = candidates[-1]
+        if last.priced is None or last.fits(memory_budget) or last.plan.estimate.peak_bytes <= 0:
+            break
+        scaled = 0.98 * memory_budget * last.plan.estimate.peak_bytes / last.priced.peak_bytes
+        ilp_budget = min(0.98 * ilp_budget, scaled)
+        try:
+            again = replan(ilp_budget)
+        except InfeasibleMemory:
+            break
+        candidates.append(run(f"searched-{k + 1} (ILP budget {fmt_bytes(ilp_budget)})", again))
+    for name, p in expert_plans(graph, plan).items():
+        candidates.append(run(name, p))
     priced = [c for c in candidates if c.priced is not None]
     if not priced:
         return plan, tuple(candidates)
     fitting = [c for c in priced if c.fits(memory_budget)]
     if fitting:
         best = min(fitting, key=lambda c: c.priced.total_s)
-        searched = next((c for c in fitting if c.name == "searched"), None)
-        if searched is not None and searched.priced.total_s <= best.priced.total_s * (1 + MARGIN):
-            best = searched
+        searched = [c for c in fitting if c.name.startswith("searched")]
+        if searched:
+            ours = min(searched, key=lambda c: c.priced.total_s)
+            if ours.priced.total_s <= best.priced.total_s * (1 + MARGIN):
+                best = ours
     else:
         best = min(priced, key=lambda c: c.priced.peak_bytes)
     lines = []
@@ -170,7 +199,8 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     if not fitting and memory_budget is not None:
         note += (f": no compiled program fits {fmt_bytes(memory_budget)} per device, this one "
                  "needs the least")
-    solver = plan.solver if best.name == "searched" else f"{best.plan.solver}; searched: {plan.solver}"
+    solver = (best.plan.solver if best.name.startswith("searched")
+              else f"{best.plan.solver}; searched: {plan.solver}")
     kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),
                                notes=(*plan.notes, note), solver=solver,
                                search_s=plan.search_s)

@@ -90,3 +90,36 @@ def test_compute_dtype_follows_the_flops():
     from shardplan.ir.lift import lift
 
     assert measure.compute_dtype(lift(traced.closed_jaxpr, traced.arg_info)) == "bfloat16"
+
+
+def test_plan_over_budget_once_compiled_is_replanned_under_a_scaled_budget(monkeypatch):
+    """The estimate says 60 units, XLA compiles 120 against a budget of 100: the ILP is asked
+    again with the budget scaled by 60/120, and the re-plan that fits is kept."""
+    from shardplan.analysis.price import PricedStep
+    from shardplan.plan import Estimate, Plan
+
+    def plan_with(peak, name):
+        return Plan(mesh=MeshShape(("x",), (8,)), hardware="a100-80gb", input_names=(),
+                    input_specs=(), output_names=(), output_specs=(), constraints={},
+                    estimate=Estimate(1.0, 0.0, peak, 0.0), solver=name)
+
+    compiled_peak = {"first": 120.0, "again": 95.0}
+
+    def fake_measure(graph, traced, plan, mesh, hw, name, donate, dtype):
+        peak = compiled_peak[plan.solver]
+        return measure.Candidate(name, plan, PricedStep(1.0, 0.0, 1.0, peak, 0.0, {}))
+
+    asked = []
+
+    def replan(budget):
+        asked.append(budget)
+        return plan_with(budget * 0.9, "again")
+
+    monkeypatch.setattr(measure, "measure", fake_measure)
+    monkeypatch.setattr(measure, "expert_plans", lambda graph, plan: {})
+    monkeypatch.setattr(measure, "compute_dtype", lambda graph: "float32")
+    kept, candidates = measure.select(None, None, plan_with(60.0, "first"), None, A100,
+                                      memory_budget=100.0, replan=replan)
+    assert asked == [pytest.approx(0.98 * 100 * 60 / 120)]
+    assert [c.name.split(" ")[0] for c in candidates] == ["searched", "searched-1"]
+    assert kept.solver == "again" and kept.estimate.peak_bytes == 95.0
