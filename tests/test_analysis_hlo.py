@@ -154,7 +154,8 @@ def test_bf16_collectives_widened_by_the_cpu_are_sent_as_bf16_once_formed(mesh8)
 
     stats = hlo.analyze(jax.jit(gathered, in_shardings=(rows, rep)).lower(a, w).compile())
     op = only(stats.collectives, "all-gather")
-    assert op.dtypes == ("float32",) and op.nbytes == 64 * 128 * 4 and op.widened
+    assert op.dtypes == ("float32",) and op.nbytes == 64 * 128 * 4
+    assert op.widened_nbytes == op.nbytes
     assert only(stats.formed().collectives, "all-gather").nbytes == 64 * 128 * 2
 
     split_k = NamedSharding(mesh8, P(None, "x"))
@@ -164,7 +165,7 @@ def test_bf16_collectives_widened_by_the_cpu_are_sent_as_bf16_once_formed(mesh8)
                     out_shardings=out)
         stats = hlo.analyze(f.lower(a, v).compile())
         op = only(stats.collectives, "all-reduce")
-        assert op.widened and op.nbytes == 64 * 32 * 4
+        assert op.widened_nbytes == op.nbytes == 64 * 32 * 4
         assert only(stats.formed().collectives, kind).nbytes == 64 * 32 * 2
 
 
@@ -173,7 +174,7 @@ def test_f32_collectives_are_not_widened(mesh8):
     f = jax.jit(lambda a: jax.lax.with_sharding_constraint(jnp.tanh(a), rep) * 2,
                 in_shardings=(rows,))
     stats = hlo.analyze(f.lower(jnp.ones((64, 128))).compile())
-    assert not only(stats.collectives, "all-gather").widened
+    assert not only(stats.collectives, "all-gather").widened_nbytes
     assert stats.formed().collectives == stats.collectives
 
 

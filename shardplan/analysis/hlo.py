@@ -58,7 +58,7 @@ class CollectiveOp:
         enclosing while loops (an unknown trip count counts as 1).
     count_known: False when some enclosing loop's trip count is unknown.
     op_name: the jax op this came from (HLO metadata), for reports.
-    widened: the collective moves f32 values that are bf16 (or f16) in the program: XLA:CPU
+    widened_nbytes: the bytes of f32 values that are bf16 (or f16) in the program: XLA:CPU
         runs 16-bit float arithmetic in f32 and widens what it sends with it (the operand is
         a conversion from 16 bits, or every use converts the result to 16 bits); a GPU or
         TPU sends the 16-bit values.
@@ -82,17 +82,19 @@ class CollectiveOp:
     count_known: bool = True
     op_name: str = ""
     sliced_nbytes: int = 0
-    widened: bool = False
+    widened_nbytes: int = 0
 
     def formed(self) -> tuple[CollectiveOp, ...]:
         """This collective as a GPU or TPU compiler runs it: bf16 values sent as bf16, and the
         sliced bytes of an all-reduce a reduce-scatter, the rest an all-reduce."""
-        if self.widened:
-            half = self.nbytes // 2
+        if self.widened_nbytes:
+            nbytes = self.nbytes - self.widened_nbytes // 2
             return dataclasses.replace(
-                self, widened=False, nbytes=half, sliced_nbytes=self.sliced_nbytes // 2,
-                dtypes=("bfloat16",) * len(self.dtypes),
-                bytes_sent=_ring_bytes(self.kind, half, self.group_size,
+                self, widened_nbytes=0, nbytes=nbytes,
+                sliced_nbytes=self.sliced_nbytes * nbytes // max(self.nbytes, 1),
+                dtypes=("bfloat16",) * len(self.dtypes) if nbytes * 2 == self.nbytes
+                else self.dtypes,
+                bytes_sent=_ring_bytes(self.kind, nbytes, self.group_size,
                                        self.bytes_sent > 0)).formed()
         if self.kind != "all-reduce" or self.sliced_nbytes <= 0:
             return (self,)
@@ -626,24 +628,31 @@ def _to_narrow(module: _Module, user: _Instr, operand: str) -> bool:
     return bool(readers) and all(i.opcode == "convert" and _narrow_type(i.shape) for i in readers)
 
 
-def _widened(instr: _Instr, arrays, users: _UseSite, module: _Module) -> bool:
-    """An f32 collective whose payload is 16-bit floats widened by XLA:CPU (see
-    CollectiveOp.widened): every operand comes from a conversion from 16 bits, or (for an
-    all-reduce, which XLA:CPU runs on the f32 result of a 16-bit dot) every use converts
-    the result to 16 bits first."""
-    if not arrays or any(t != "f32" for _, t in arrays):
-        return False
+def _widened_bytes(instr: _Instr, arrays, users: _UseSite, module: _Module) -> int:
+    """Bytes of an f32 collective whose payload is 16-bit floats widened by XLA:CPU (see
+    CollectiveOp.widened_nbytes), per element: its operand comes from a conversion from 16
+    bits, or (for an all-reduce, which XLA:CPU runs on the f32 result of a 16-bit dot)
+    every use converts the result to 16 bits first."""
     table = users.users
     names = [op.split()[-1].lstrip("%") for op in _split_top(instr.operands)]
     shapes = table.shapes()
-    if names and all(_from_narrow(module, table.get(x), shapes) for x in names):
-        return True
-    if instr.opcode not in ("all-reduce", "all-reduce-done", "all-reduce-start"):
-        return False
-    if len(arrays) != 1:
-        return False
-    readers = table.direct(users.name)
-    return bool(readers) and all(_to_narrow(module, u, users.name) for u in readers)
+    is_tuple = instr.shape.lstrip().startswith("(") or len(arrays) > 1
+    reduce = instr.opcode.startswith("all-reduce")
+    total = 0
+    for k, (dims, ty) in enumerate(arrays):
+        if ty != "f32":
+            continue
+        narrow = len(names) == len(arrays) and _from_narrow(module, table.get(names[k]), shapes)
+        if not narrow and reduce:
+            if is_tuple:  # element k is read through get-tuple-element
+                gte = [u for u in table.direct(users.name) if u.attrs.get("index") == str(k)]
+                readers = [(r, g.name) for g in gte for r in table.direct(g.name)]
+            else:
+                readers = [(r, users.name) for r in table.direct(users.name)]
+            narrow = bool(readers) and all(_to_narrow(module, r, x) for r, x in readers)
+        if narrow:
+            total += _nbytes([(dims, ty)])
+    return total
 
 
 def _called(instr: _Instr) -> Iterator[str]:
@@ -725,14 +734,14 @@ def parse_collectives(
             nbytes = result_bytes * (n if kind == "reduce-scatter" else 1)
         meta = re.search(r'op_name="([^"]*)"', instr.attrs.get("metadata", ""))
         sliced = _sliced_bytes(result, users, n, module) if kind == "all-reduce" else 0
-        widened = _widened(instr, arrays, users, module)
+        widened = _widened_bytes(instr, arrays, users, module)
         return CollectiveOp(
             kind=kind, shapes=tuple(d for d, _ in arrays),
             dtypes=tuple(_dtype(t)[0] for _, t in arrays), nbytes=int(nbytes),
             groups=tuple(tuple(g) for g in groups), group_size=n,
             bytes_sent=_ring_bytes(kind, nbytes, n, moves), in_loop=in_loop, name=instr.name,
             count=count, count_known=known, op_name=meta.group(1) if meta else "",
-            sliced_nbytes=sliced, widened=widened,
+            sliced_nbytes=sliced, widened_nbytes=widened,
         )
 
     def walk(comp: str, ctx, stack: tuple[str, ...]) -> None:
