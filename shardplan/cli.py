@@ -362,8 +362,7 @@ def print_run(run, console) -> None:
             t.add_row(*(escape(c) for c in row))
         console.print(t)
         if run.ratio() is not None:
-            console.print(f"{run.ratio_text()} (communication of CPU-compiled programs counts "
-                          "all-reduces where a GPU/TPU would reduce-scatter, alike for all rows)")
+            console.print(run.ratio_text())
     if run.verification is not None:
         t = Table(title="predicted vs compiled (the plan)")
         for c in ("quantity", "predicted", "compiled", "compiled / predicted"):

@@ -370,9 +370,10 @@ def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
         lines += [("Every `(XLA)` row is a program compiled by XLA on CPU devices standing in "
                    f"for the cluster and priced with the `{run.hardware}` profile (flops at its "
                    "peak, every collective of the partitioned HLO at the alpha-beta cost of the "
-                   "links it spans). XLA:CPU forms no reduce-scatters, so where a GPU/TPU would "
-                   "reduce-scatter these rows count an all-reduce: communication is "
-                   "over-counted, alike for the plan and the baselines."), ""]
+                   "links it spans). Where XLA:CPU keeps an all-reduce whose result each device "
+                   "only slices, or sends bf16 values widened to f32, an accelerator profile "
+                   "prices the reduce-scatter and the bf16 bytes a GPU/TPU would run, alike for "
+                   "the plan and the baselines (`shardplan/analysis/price.py`)."), ""]
     lines += _md_table(COMPARISON_HEADER, comparison_rows(run))
     lines.append("")
     if run.ratio() is not None:

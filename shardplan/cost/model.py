@@ -1,6 +1,6 @@
 """The cost model the ILP minimises: compute (a fusion-aware roofline of flops and memory
-traffic per device),
-communication (alpha-beta per mesh axis), resharding between specs, and bytes per device."""
+traffic per device), communication (alpha-beta per mesh axis), resharding between specs, and
+bytes per device."""
 
 from __future__ import annotations
 
@@ -51,10 +51,11 @@ class AlphaBetaCost:
 
     Traffic is fusion-aware: a dot, convolution, gather, scatter, sort... reads its operands
     and writes its results; an op XLA fuses (FUSED) only reads and writes what crosses the
-    fusion's edge (the step's inputs and outputs, what non-fused ops produce and read). Charging every jaxpr node its own operand and result
-    traffic counted 8x the compiled step's compute on GPT-2 1.5B (541 ms against 68.7 ms for
-    its compiled flops on an A100 profile) and made the planner trade communication for
-    elementwise traffic that XLA never does."""
+    fusion's edge (the step's inputs and outputs, what non-fused ops produce and read).
+    Charging every jaxpr node its own operand and result traffic counted 8x the compiled
+    step's compute on GPT-2 1.5B (541 ms against 68.7 ms for its compiled flops on an A100
+    profile) and made the planner trade communication for elementwise traffic that XLA
+    never does."""
 
     def __init__(self, mesh: MeshShape, hardware: HardwareProfile, device_order=None):
         self.mesh = mesh

@@ -165,9 +165,9 @@ class _Problem:
 
     def node_times(self, m: int, k: int) -> tuple[float, float]:
         if m < self.num_inputs:
-            # A tie-break, not a cost (compiled programs are priced by flops and collectives):
-            # a thousandth of the time to read the input once, so that where nothing else
-            # decides, smaller shards (the batch split, the state sharded) win.
+            # A tie-break, not a cost (the ops that read an input pay its traffic): a
+            # thousandth of the time to read it once, so that where nothing else decides,
+            # smaller shards (the batch split, the state sharded) win.
             value = self.graph.values[self.graph.inputs[m]]
             spec = self.strategies[m][k].out_specs[0]
             return 1e-3 * self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth, 0.0
@@ -339,7 +339,7 @@ def _pinned(problem: _Problem, inp: ilp.SolverInput, fixed: Mapping[int, ShardSp
     hint = tuple(int(np.argmin(c)) for c in costs)
     # A seed is a guard, not the search: it gets a short time limit.
     return dataclasses.replace(inp, node_costs=tuple(costs), hint=hint,
-                               time_limit_s=min(inp.time_limit_s, 30.0))
+                               time_limit_s=min(inp.time_limit_s, 3.0))
 
 
 def _solve_with_seeds(problem: _Problem, inp: ilp.SolverInput, options: IntraOptions):
