@@ -116,6 +116,23 @@ def test_all_reduce_then_slice_is_a_reduce_scatter_once_formed(mesh8):
     assert stats.formed().bytes_sent == pytest.approx(stats.bytes_sent / 2)
 
 
+@pytest.mark.parametrize("out", [P(("data", "model")), P("model", "data")])
+def test_sums_over_two_axes_kept_as_slices_are_reduce_scatters(mesh2x4, out):
+    """A gradient partial over both mesh axes, kept sharded over both (FSDP on 2-D): however
+    XLA:CPU reduces it (one all-reduce or one per axis), every reduction is a slice kept."""
+    both = ("data", "model")
+    a, b = jnp.ones((64, 128)), jnp.ones((128, 32))
+    f = jax.jit(lambda a, b: a @ b,
+                in_shardings=(NamedSharding(mesh2x4, P(None, both)),
+                              NamedSharding(mesh2x4, P(both))),
+                out_shardings=NamedSharding(mesh2x4, out))
+    stats = hlo.analyze(f.lower(a, b).compile())
+    reduces = [c for c in stats.collectives if c.kind == "all-reduce"]
+    assert reduces and all(c.sliced_nbytes == c.nbytes for c in reduces), reduces
+    assert {c.kind for c in stats.formed().collectives} <= {"reduce-scatter", "collective-permute",
+                                                            "all-to-all"}
+
+
 def test_all_reduce_read_whole_stays_an_all_reduce(mesh8):
     a, b = jnp.ones((64, 128)), jnp.ones((128, 32))
     f = jax.jit(lambda a, b: jnp.tanh(a @ b),

@@ -514,18 +514,6 @@ class _UseSite:
     users: _Users
     name: str
 
-    def element_users(self, k: int, is_tuple: bool) -> list[_Instr]:
-        direct = self.users.direct(self.name)
-        if not is_tuple:
-            return direct
-        out = []
-        for u in direct:
-            if u.opcode != "get-tuple-element":
-                return [u]  # the whole tuple escapes: not a slice
-            if u.attrs.get("index") == str(k):
-                out += self.users.direct(u.name)
-        return out
-
 
 _DEVICE_INDEX = ("partition-id", "replica-id")
 
@@ -554,26 +542,55 @@ def _is_conversion(instr: _Instr, module: _Module) -> bool:
     return root is not None and root.opcode == "convert"
 
 
-def _past_conversions(readers: list[_Instr], users: _Users, module: _Module) -> list[_Instr]:
-    """The readers, with dtype conversions replaced by their own readers (twice at most)."""
-    for _ in range(2):
+def _element_readers(users: _Users, name: str, k: int, is_tuple: bool) -> list[tuple[_Instr, str]]:
+    """(reader, the value it reads) for element k of `name`'s result (through
+    get-tuple-element when it is a tuple; a tuple read whole is returned as its reader)."""
+    direct = users.direct(name)
+    if not is_tuple:
+        return [(u, name) for u in direct]
+    out = []
+    for u in direct:
+        if u.opcode != "get-tuple-element":
+            return [(u, name)]
+        if u.attrs.get("index") == str(k):
+            out += [(r, u.name) for r in users.direct(u.name)]
+    return out
+
+
+def _final_readers(pairs: list[tuple[_Instr, str]], users: _Users,
+                   module: _Module) -> list[_Instr]:
+    """The readers, with dtype conversions replaced by their own readers, and a further
+    all-reduce over other devices (XLA:CPU reduces a sum over two mesh axes in two steps) by
+    the readers of its result (a few steps at most)."""
+    for _ in range(3):
         expanded = []
-        for r in readers:
-            expanded += users.direct(r.name) if _is_conversion(r, module) else [r]
-        readers = expanded
-    return readers
+        for r, src in pairs:
+            if _is_conversion(r, module):
+                expanded += [(x, r.name) for x in users.direct(r.name)]
+                continue
+            if r.opcode == "all-reduce":
+                names = [op.split()[-1].lstrip("%") for op in _split_top(r.operands)]
+                if src in names:
+                    expanded += _element_readers(users, r.name, names.index(src),
+                                                 r.shape.lstrip().startswith("("))
+                    continue
+            expanded.append((r, src))
+        pairs = expanded
+    return [r for r, _ in pairs]
 
 
 def _sliced_bytes(result: str, site: _UseSite, n: int, module: _Module) -> int:
     """Bytes of an all-reduce's results whose every use reads only a 1/n device slice
-    (after converting its dtype, as XLA:CPU does with 16-bit results)."""
+    (after converting its dtype, as XLA:CPU does with 16-bit results, or reducing it further
+    over other devices)."""
     if n <= 1:
         return 0
     total = 0
     is_tuple = result.lstrip().startswith("(")
     for k, (dims, ty) in enumerate(_arrays(result)):
         elements = math.prod(dims)
-        readers = _past_conversions(site.element_users(k, is_tuple), site.users, module)
+        pairs = _element_readers(site.users, site.name, k, is_tuple)
+        readers = _final_readers(pairs, site.users, module)
         if readers and all(_reads_a_slice(u, elements, n, site.users) for u in readers):
             total += _nbytes([(dims, ty)])
     return total
