@@ -159,6 +159,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
 
     candidates = [run("searched", plan)]
     ilp_budget = memory_budget
+    stopped = ""
     for k in range(RECALIBRATIONS if replan is not None and memory_budget else 0):
         last = candidates[-1]
         if last.priced is None or last.fits(memory_budget) or last.plan.estimate.peak_bytes <= 0:
@@ -167,7 +168,9 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
         ilp_budget = min(0.98 * ilp_budget, scaled)
         try:
             again = replan(ilp_budget)
-        except InfeasibleMemory:
+        except InfeasibleMemory as e:
+            stopped = (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: no "
+                       f"plan fits it (the least any needs is {fmt_bytes(e.min_bytes)})")
             break
         candidates.append(run(f"searched-{k + 1} (ILP budget {fmt_bytes(ilp_budget)})", again))
     for name, p in expert_plans(graph, plan).items():
@@ -194,7 +197,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
         fit = "" if c.fits(memory_budget) else " (over the budget)"
         lines.append(f"{c.name} {fmt_seconds(p.total_s)} (compute {fmt_seconds(p.compute_s)}, "
                      f"comm {fmt_seconds(p.comm_s)}), peak {fmt_bytes(p.peak_bytes)}{fit}")
-    note = (f"measured (compiled by XLA, priced as {hw.name}): " + "; ".join(lines)
+    note = (f"measured (compiled by XLA, priced as {hw.name}): " + "; ".join(lines) + stopped
             + f"; kept {best.name}")
     if not fitting and memory_budget is not None:
         note += (f": no compiled program fits {fmt_bytes(memory_budget)} per device, this one "
