@@ -1,0 +1,44 @@
+"""Write (or compare with) the golden plans of the zoo at test size: the specs of every input,
+output and constrained value of `search(measure=False)` on 8 and 2x4 devices.
+
+    python tests/golden_plans.py          # rewrite tests/golden/*.json
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
+MODELS = ("bert", "gpt", "llama", "mlp", "moe", "vit", "wresnet")
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+
+
+def plan_specs(model: str, mesh: str) -> dict:
+    import shardplan
+    from shardplan import models
+
+    step = models.get_model(model, abstract=True)
+    shape, names = MESHES[mesh]
+    plan = shardplan.search(step.fn, *step.args, cluster="cpu", mesh_shape=shape,
+                            axis_names=names, state_argnums=step.state_argnums,
+                            batch_argnums=step.batch_argnums, time_limit=30.0)
+    return {"inputs": [str(s) for s in plan.input_specs],
+            "outputs": [str(s) for s in plan.output_specs],
+            "constraints": {str(v): str(s) for v, s in sorted(plan.constraints.items())}}
+
+
+def path(model: str, mesh: str) -> pathlib.Path:
+    return GOLDEN / f"{model}-{mesh}.json"
+
+
+if __name__ == "__main__":
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    GOLDEN.mkdir(exist_ok=True)
+    for model in (sys.argv[1:] or MODELS):
+        for mesh in MESHES:
+            path(model, mesh).write_text(json.dumps(plan_specs(model, mesh), indent=1) + "\n")
+            print("wrote", path(model, mesh))
