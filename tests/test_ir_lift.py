@@ -9,7 +9,7 @@ import pytest
 
 from shardplan import _compat
 from shardplan.ir.graph import Role
-from shardplan.ir.lift import lift
+from shardplan.ir.lift import LiftOptions, lift
 from shardplan.ir.trace import trace
 
 
@@ -69,28 +69,51 @@ def test_remat_and_custom_vjp_inlined():
     assert "sin" in prims and "cos" in prims
 
 
-def test_scan_kept_with_subgraph():
+def test_scan_inlined_once_with_its_trip_count():
     def f(x):
         def body(c, _):
             return c @ c, None
         return jax.lax.scan(body, x, None, length=3)[0]
 
     g = lift(jax.make_jaxpr(f)(jnp.ones((4, 4))))
+    (loop,) = g.loops
+    assert loop.kind == "scan" and loop.trips == 3
+    (dot,) = [n for n in g.nodes if n.primitive == "dot_general"]
+    assert dot.trips == 3 and dot.loop == 0 and dot.flops == 2 * 4 * 4 * 4
+    assert g.flops == 3 * 2 * 4 * 4 * 4
+    assert g.primitive_counts() == {"dot_general": 1, "loop_carry": 1, "loop_result": 1}
+    # the body's new carry is resharded into the carry's layout every iteration
+    (carry,) = loop.carry_values(g)
+    assert g.carry_edges() == [(dot.outputs[0], carry, 3.0)]
+
+
+def test_scan_kept_opaque_without_loops():
+    def f(x):
+        def body(c, _):
+            return c @ c, None
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    g = lift(jax.make_jaxpr(f)(jnp.ones((4, 4))), options=LiftOptions(loops=False))
     (scan,) = [n for n in g.nodes if n.primitive == "scan"]
     assert len(scan.subgraphs) == 1
     assert scan.flops == 3 * 2 * 4 * 4 * 4
 
 
-def test_cond_and_while_kept():
+def test_cond_and_while_inlined():
     def f(x, p):
         y = jax.lax.cond(p, lambda v: v * 2, lambda v: v @ v, x)
         return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] + 1, c[1] + 1), (y, 0))[0]
 
-    g = lift(jax.make_jaxpr(f)(jnp.ones((4, 4)), True))
+    g = lift(jax.make_jaxpr(f)(jnp.ones((4, 4)), True), options=LiftOptions(while_trips=5))
+    assert [loop.kind for loop in g.loops] == ["cond", "while"]
+    cond, loop = g.loops
+    assert len(cond.bodies) == 2 and len(loop.bodies) == 2
     prims = g.primitive_counts()
-    assert prims["cond"] == 1 and prims["while"] == 1
-    (cond,) = [n for n in g.nodes if n.primitive == "cond"]
-    assert len(cond.subgraphs) == 2 and cond.flops == 2 * 4 ** 3
+    assert prims["cond_merge"] == 1 and prims["loop_carry"] == 2 and prims["lt"] == 1
+    (dot,) = [n for n in g.nodes if n.primitive == "dot_general"]
+    assert dot.trips == 1 and dot.flops == 2 * 4 ** 3
+    (add,) = [n for n in g.nodes if n.primitive == "add" and g.values[n.outputs[0]].ndim == 2]
+    assert add.trips == 5
 
 
 class _MLP(nn.Module):

@@ -8,7 +8,7 @@ import optax
 import pytest
 from jax import lax
 
-from shardplan.ir.lift import lift
+from shardplan.ir.lift import LiftOptions, lift
 from shardplan.strategies import registry
 from shardplan.strategies.spec import MeshShape
 from tests import strategies_harness as H
@@ -56,13 +56,25 @@ def test_unknown_primitive_runs_replicated_and_is_reported(double, mesh_name, re
     assert s.name == "replicated" and s.flops == node.flops
 
 
-def test_control_flow_runs_replicated_and_is_reported():
-    def f(x):
-        y = lax.while_loop(lambda c: c.sum() < 100.0, lambda c: c * 2.0, x)
-        z, _ = lax.scan(lambda c, r: (c + r, None), x[0], x)
-        return lax.cond(z.sum() > 0, lambda: y, lambda: -y)
+def _control_flow(x):
+    y = lax.while_loop(lambda c: c.sum() < 100.0, lambda c: c * 2.0, x)
+    z, _ = lax.scan(lambda c, r: (c + r, None), x[0], x)
+    return lax.cond(z.sum() > 0, lambda: y, lambda: -y)
 
-    graph = lift(jax.make_jaxpr(f)(A))
+
+def test_control_flow_is_inlined_and_its_entries_have_rules():
+    graph = lift(jax.make_jaxpr(_control_flow)(A))
+    assert not registry.unknown_primitives(graph)
+    assert [loop.kind for loop in graph.loops] == ["while", "scan", "cond"]
+    for node in graph.nodes:
+        if node.eqn is None:  # a loop's entry or exit: one layout per split of the value
+            for mesh in MESHES:
+                names = [s.name for s in registry.strategies_for(node, graph, mesh)]
+                assert names[0] == "replicated" and len(names) > 1, (node.primitive, names)
+
+
+def test_opaque_control_flow_runs_replicated_and_is_reported():
+    graph = lift(jax.make_jaxpr(_control_flow)(A), options=LiftOptions(loops=False))
     unknown = registry.unknown_primitives(graph)
     assert {"while", "scan", "cond"} <= unknown
     for node in graph.nodes:

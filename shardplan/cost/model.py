@@ -11,7 +11,7 @@ from typing import Protocol
 from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.ir.graph import Graph, Node, Value
-from shardplan.strategies import elementwise, other
+from shardplan.strategies import control_flow, elementwise, other
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
@@ -71,7 +71,14 @@ class AlphaBetaCost:
             return self.hardware.peak_flops_f32
 
     def node_time(self, graph: Graph, node: Node, strategy: Strategy) -> tuple[float, float]:
-        """(compute seconds, communication seconds) of one node under one strategy."""
+        """(compute seconds, communication seconds) of one node under one strategy, for all
+        the times it runs in the step (`node.trips`: the trip counts of the loops around it)."""
+        if node.primitive in control_flow.PSEUDO:
+            return 0.0, 0.0  # a loop's entry or exit moves no data
+        compute, comm = self._node_time_once(graph, node, strategy)
+        return compute * node.trips, comm * node.trips
+
+    def _node_time_once(self, graph: Graph, node: Node, strategy: Strategy) -> tuple[float, float]:
         out_dtype = graph.values[node.outputs[0]].dtype if node.outputs else "float32"
         compute = strategy.flops / self._peak(out_dtype)
         fused = node.primitive in FUSED

@@ -9,42 +9,41 @@ import jax
 from jax.sharding import NamedSharding
 
 from shardplan import _compat
+from shardplan.ir import interpret
 from shardplan.ir.graph import Graph
 from shardplan.strategies.spec import ShardSpec
 
 
+class _Constraints:
+    """Hooks of the interpreter that pin planned layouts with with_sharding_constraint."""
+
+    def __init__(self, values, operands):
+        self.values, self.operands = values, operands
+
+    def value(self, vid, x):
+        sharding = self.values.get(vid)
+        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+    def operand(self, node_id, index, x):
+        for sharding in self.operands.get((node_id, index), ()):
+            x = jax.lax.with_sharding_constraint(x, sharding)
+        return x
+
+
 def graph_fn(graph: Graph, mesh, constraints: Mapping[int, ShardSpec],
              operand_specs: Mapping[tuple[int, int], Sequence[ShardSpec]] | None = None):
-    """A function of the flat inputs that runs the graph's equations, constraining the values
-    in `constraints` to their specs, and resharding operands through `operand_specs` (the
-    layouts the plan moves a value through before a node reads it), so that XLA runs the
-    collectives the plan priced rather than choosing its own."""
+    """A function of the flat inputs that runs the graph's equations (loops bound again with
+    constrained bodies), constraining the values in `constraints` to their specs, and
+    resharding operands through `operand_specs` (the layouts the plan moves a value through
+    before a node reads it), so that XLA runs the collectives the plan priced rather than
+    choosing its own."""
     shardings = {v: NamedSharding(mesh, s.to_partition_spec()) for v, s in constraints.items()}
     operand_shardings = {k: [NamedSharding(mesh, s.to_partition_spec()) for s in route]
                          for k, route in (operand_specs or {}).items()}
+    hooks = _Constraints(shardings, operand_shardings)
 
     def run(*flat_args):
-        env = {}
-        for v, x in zip(graph.inputs, flat_args):
-            env[v] = x
-        for v in graph.consts:
-            env[v] = graph.values[v].const
-
-        def read(v):
-            val = graph.values[v]
-            return val.const if val.is_literal else env[v]
-
-        for node in graph.nodes:
-            ins = [read(v) for v in node.inputs]
-            for i in range(len(ins)):
-                for sharding in operand_shardings.get((node.id, i), ()):
-                    ins[i] = jax.lax.with_sharding_constraint(ins[i], sharding)
-            outs = _compat.bind_eqn(node.eqn, ins)
-            for v, out in zip(node.outputs, outs):
-                if v in shardings:
-                    out = jax.lax.with_sharding_constraint(out, shardings[v])
-                env[v] = out
-        return [read(v) for v in graph.outputs]
+        return interpret.run(graph, flat_args, hooks)
 
     return run
 

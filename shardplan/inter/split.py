@@ -36,7 +36,7 @@ from shardplan.grad import (
     intercepting,
 )
 from shardplan.ir.graph import Graph, Node, Role
-from shardplan.ir.lift import ArgInfo, lift
+from shardplan.ir.lift import ArgInfo, LiftOptions, lift
 from shardplan.ir.trace import TracedStep, trace
 
 # values the update may pass between stages (a global gradient norm's partial sums)
@@ -46,6 +46,10 @@ __all__ = ["PipelineSplitError"]  # re-exported: the error of this module
 
 
 # -- the split step -----------------------------------------------------------------------------
+
+
+# Stages are cut between nodes and run by binding each node's equation: loops stay whole.
+OPAQUE_LOOPS = LiftOptions(loops=False)
 
 
 def is_marker(node: Node) -> bool:
@@ -159,7 +163,7 @@ def split_step(fn, args: Sequence, *, num_micro_batches: int = 1,
 
     closed = jax.make_jaxpr(forward_fn)(*small)
     forward = lift(closed, ArgInfo(traced.arg_info.roles, (None,) * len(closed.jaxpr.outvars),
-                                   traced.arg_info.input_names))
+                                   traced.arg_info.input_names), OPAQUE_LOOPS)
     marks = [n for n in forward.nodes if n.primitive == "optimization_barrier"
              and GRAD_ARGS_SCOPE in n.name]
     if len(marks) != 1:
@@ -221,7 +225,7 @@ def split_step(fn, args: Sequence, *, num_micro_batches: int = 1,
                                  "size?); return batch-independent aux or use "
                                  "num_micro_batches=1")
     roles = (*traced.arg_info.roles, *(Role.OTHER,) * (1 + n_aux), *(Role.STATE,) * len(diff_values))
-    update = lift(closed_u, ArgInfo(roles, traced.arg_info.ties))
+    update = lift(closed_u, ArgInfo(roles, traced.arg_info.ties), OPAQUE_LOOPS)
     return SplitStep(traced, B, micro, forward, diff_values, diff_sources,
                      tuple(barrier.inputs), capture.grad_tree,
                      capture.has_aux, capture.out_tree, tuple(sorted(pre)), body, boundaries,

@@ -179,6 +179,16 @@ class _Problem:
             self._node_times[key] = self.cost.node_time(self.graph, node, self.strategies[m][k])
         return self._node_times[key]
 
+    def trips(self, m: int) -> float:
+        """Times member m runs per step: inputs once, nodes per their loops, a fan-out as the
+        value it reshards. An edge between members is paid as often as the rarer of the two
+        runs (a loop constant is resharded once, outside the loop)."""
+        if m < self.num_inputs:
+            return 1.0
+        if m >= self.num_real:
+            return self.trips(self.producer[self.fanout_of[m - self.num_real]][0])
+        return self.graph.nodes[m - self.num_inputs].trips
+
     def node_cost(self, m: int, k: int) -> float:
         return sum(self.node_times(m, k))
 
@@ -206,20 +216,22 @@ class _Problem:
                                   for k in range(len(self.strategies[r]))])
         edges: dict[tuple[int, int], np.ndarray] = {}
 
-        def add_edge(value: Value, p: int, out_idx: int, n: int, dst_of) -> None:
+        def add_edge(value: Value, p: int, out_idx: int, n: int, dst_of, trips=None) -> None:
             rp, rn = self.groups.root[p], self.groups.root[n]
             kp, kn = len(self.strategies[rp]), len(self.strategies[rn])
             srcs = [self.out_spec(p, out_idx, k) for k in range(kp)]
             if value.ndim == 0 and not any(s.partial for s in srcs):
                 return
+            if trips is None:
+                trips = min(self.trips(p), self.trips(n))
             if rp == rn:
-                unary[rp] += np.array([self.cost.reshard_time(value, srcs[k], dst_of(k))
-                                       for k in range(kp)])
+                unary[rp] += trips * np.array([self.cost.reshard_time(value, srcs[k], dst_of(k))
+                                               for k in range(kp)])
                 return
             dsts = [dst_of(k) for k in range(kn)]
             mat = self._reshard_matrix(value, srcs, dsts)
             if mat.any():
-                edges[(rp, rn)] = edges.get((rp, rn), 0) + mat
+                edges[(rp, rn)] = edges.get((rp, rn), 0) + trips * mat
 
         for node in g.nodes:
             m = n_in + node.id
@@ -233,6 +245,13 @@ class _Problem:
             m = self.num_real + f
             p, out_idx = self.producer[v]
             add_edge(g.values[v], p, out_idx, m, lambda k, m=m: self.in_spec(m, 0, k))
+        for src, carry, trips in g.carry_edges():
+            # What a loop body hands to its next iteration is resharded into the carry's layout.
+            if not _is_tensor(g.values[src]) or src not in self.producer:
+                continue
+            p, out_idx = self.source[src]
+            c, _ = self.producer[carry]
+            add_edge(g.values[src], p, out_idx, c, lambda k, c=c: self.out_spec(c, 0, k), trips)
         for j, v in enumerate(g.outputs):
             value = g.values[v]
             if not _is_tensor(value) or v not in self.producer:
@@ -462,38 +481,42 @@ def _estimate(problem: _Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
         c, k = cost.node_time(g, node, s)
         compute += c
         comm += k
-        comm_bytes += collectives.comms_bytes(s.comms, cost.mesh)
+        comm_bytes += node.trips * collectives.comms_bytes(s.comms, cost.mesh)
         expected += [(f"{node.primitive} {node.name}", c) for c in s.comms]
     n_in = problem.num_inputs
 
     done = set()
 
-    def reshard(value, src, dst, where):
+    def reshard(value, src, dst, where, trips=1.0):
         nonlocal comm, comm_bytes
         if src == dst or (value.ndim == 0 and not src.partial) or (value.id, src, dst) in done:
             return
         # XLA reshards a value once for all the consumers that want the same layout.
         done.add((value.id, src, dst))
         comms = cost.reshard_comms(value, src, dst)
-        comm += collectives.comms_time(comms, cost.mesh, cost.links)
-        comm_bytes += collectives.comms_bytes(comms, cost.mesh)
+        comm += trips * collectives.comms_time(comms, cost.mesh, cost.links)
+        comm_bytes += trips * collectives.comms_bytes(comms, cost.mesh)
         expected.extend((f"{where}: {src} -> {dst}", c) for c in comms)
 
     fanout = {v: chosen[problem.num_real + f].out_specs[0] for f, v in enumerate(problem.fanout_of)}
 
-    def route(value, dst, where):
+    def route(value, dst, where, trips=1.0):
         src = value_specs[value.id]
         mid = fanout.get(value.id, src)
         if mid != src and mid != dst:
-            reshard(value, src, mid, where + " (shared)")
+            reshard(value, src, mid, where + " (shared)", trips)
             src = mid
-        reshard(value, src, dst, where)
+        reshard(value, src, dst, where, trips)
 
     for node in g.nodes:
         s = chosen[n_in + node.id]
         for v, dst in zip(node.inputs, s.in_specs):
             if _is_tensor(g.values[v]) and v in value_specs:
-                route(g.values[v], dst, f"into {node.primitive} {node.name}")
+                trips = min(problem.trips(problem.producer[v][0]), node.trips)
+                route(g.values[v], dst, f"into {node.primitive} {node.name}", trips)
+    for src, carry, trips in g.carry_edges():
+        if _is_tensor(g.values[src]) and src in value_specs:
+            route(g.values[src], value_specs[carry], "loop carry", trips)
     for j, v in enumerate(g.outputs):
         if not _is_tensor(g.values[v]) or v not in value_specs:
             continue

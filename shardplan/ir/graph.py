@@ -57,6 +57,46 @@ class Node:
     subgraphs: tuple[Graph, ...] = ()
     eqn: Any = None
     name: str = ""
+    # Times the node runs per step: the product of the trip counts of the loops around it.
+    trips: float = 1.0
+    # The innermost loop (index into Graph.loops) whose body holds the node, or whose entry
+    # or exit it is (loop pseudo-nodes); None at the top level.
+    loop: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """One sub-jaxpr of a loop, inlined in the graph: the value bound to each of its invars
+    (an outer value for loop constants), the values of its outvars, and its nodes (nested
+    loops' included) in program order."""
+
+    invars: tuple[int, ...]
+    outvars: tuple[int, ...]
+    nodes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A scan, while or cond whose bodies are inlined in the graph, planned once for all
+    iterations. `enter` holds a pseudo-node per carry (loop_carry: the carry's layout in the
+    loop) and, for a scan, per stacked input (loop_slice); `leave` one per result (loop_result
+    for a final carry, loop_stack for a scan's stacked output, cond_merge for a cond)."""
+
+    id: int
+    kind: str                     # "scan" | "while" | "cond"
+    eqn: Any
+    parent: int | None
+    trips: float                  # iterations per run of the enclosing level
+    operands: tuple[int, ...]     # outer values, in the equation's operand order
+    results: tuple[int, ...]      # outer values, in the equation's result order
+    bodies: tuple[Body, ...]      # scan: (body,); while: (cond, body); cond: branches
+    enter: tuple[int, ...]
+    leave: tuple[int, ...]
+    num_carry: int = 0
+
+    def carry_values(self, graph: Graph) -> tuple[int, ...]:
+        """The value of each carry inside the loop (the loop_carry pseudo-nodes' outputs)."""
+        return tuple(graph.nodes[n].outputs[0] for n in self.enter[:self.num_carry])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -76,13 +116,28 @@ class Graph:
     input_names: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ()
     consts: tuple[int, ...] = ()
+    loops: tuple[Loop, ...] = ()
 
     def value(self, vid: int) -> Value:
         return self.values[vid]
 
     @property
     def flops(self) -> float:
-        return float(sum(n.flops for n in self.nodes))
+        return float(sum(n.flops * n.trips for n in self.nodes))
+
+    def carry_edges(self) -> list[tuple[int, int, float]]:
+        """(value a body produces for a carry, the carry's value in the loop, iterations): the
+        value the next iteration starts from must be in the carry's layout."""
+        edges = []
+        for loop in self.loops:
+            if loop.kind == "cond":
+                continue
+            body = loop.bodies[-1]
+            for k, carry in enumerate(loop.carry_values(self)):
+                src = body.outvars[k]
+                if src != carry and not self.values[src].is_literal:
+                    edges.append((src, carry, self.nodes[loop.enter[k]].trips))
+        return edges
 
     def boundary_values(self) -> frozenset[int]:
         """The step's inputs, constants and outputs: what lives in device memory across the

@@ -1,5 +1,7 @@
 """Lift a closed jaxpr into a Graph: one node per equation, call-like sub-jaxprs inlined,
-control flow (scan, while, cond) and manual regions (shard_map) kept as single nodes."""
+loops (scan, while, cond) inlined once with their nodes run `trips` times (a body planned once
+for every iteration), manual regions (shard_map) and per-element combiners kept as single
+nodes."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Sequence
 
 from shardplan import _compat
 from shardplan.ir import flops as flops_mod
-from shardplan.ir.graph import Graph, Node, Role, Value, dtype_itemsize
+from shardplan.ir.graph import Body, Graph, Loop, Node, Role, Value, dtype_itemsize
 
 # Call-like primitives whose body computes exactly the equation's outputs from its inputs:
 # inlined. Names from several JAX versions (pjit became jit in 0.7; custom_vjp_call_jaxpr became
@@ -30,11 +32,35 @@ class ArgInfo:
     output_names: tuple[str, ...] = ()
 
 
+# Loops whose bodies are inlined: their pseudo-nodes (entry and exit of a loop) have these
+# primitive names and no equation.
+LOOPS = frozenset({"scan", "while", "cond"})
+
+
+@dataclasses.dataclass(frozen=True)
+class LiftOptions:
+    """loops: inline loop bodies (False keeps each loop one opaque node, as the pipeline
+    splitter needs); while_trips: iterations a while loop of unknown trip count is priced at."""
+
+    loops: bool = True
+    while_trips: float = 1.0
+
+
 class _Builder:
-    def __init__(self):
+    def __init__(self, options: LiftOptions = LiftOptions()):
         self.values: list[Value] = []
         self.nodes: list[Node] = []
         self.consts: list[int] = []
+        self.loops: list[Loop | None] = []
+        self.options = options
+
+    def pseudo(self, primitive: str, inputs, outputs, trips: float, loop: int, prefix: str,
+               **params) -> int:
+        """A loop's entry or exit: no equation, no work; it gives the planner a spec to choose."""
+        ins = tuple(v for v in inputs if not self.values[v].is_literal)
+        self.nodes.append(Node(len(self.nodes), primitive, ins, tuple(outputs), params, 0.0,
+                               name=prefix, trips=trips, loop=loop))
+        return len(self.nodes) - 1
 
     def new_value(self, aval, *, const=None, is_literal=False) -> int:
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
@@ -75,7 +101,8 @@ def _name_of(eqn, prefix: str) -> str:
     return "/".join(p for p in (prefix, stack) if p)
 
 
-def _lift_into(b: _Builder, jaxpr, consts, in_ids: Sequence[int], prefix: str) -> list[int]:
+def _lift_into(b: _Builder, jaxpr, consts, in_ids: Sequence[int], prefix: str,
+               trips: float = 1.0, loop: int | None = None) -> list[int]:
     env: dict = {}
 
     def read(atom) -> int:
@@ -98,7 +125,14 @@ def _lift_into(b: _Builder, jaxpr, consts, in_ids: Sequence[int], prefix: str) -
             sub, sub_consts = _compat.open_jaxpr(body[0][1])
             name = eqn.params.get("name", eqn.primitive.name)
             outs = _lift_into(b, sub, sub_consts, ins,
-                              "/".join(p for p in (_name_of(eqn, prefix), str(name)) if p))
+                              "/".join(p for p in (_name_of(eqn, prefix), str(name)) if p),
+                              trips, loop)
+            for var, vid in zip(eqn.outvars, outs):
+                if not _compat.is_drop_var(var):
+                    env[var] = vid
+            continue
+        if b.options.loops and eqn.primitive.name in LOOPS:
+            outs = _lift_loop(b, eqn, ins, _name_of(eqn, prefix), trips, loop)
             for var, vid in zip(eqn.outvars, outs):
                 if not _compat.is_drop_var(var):
                     env[var] = vid
@@ -117,8 +151,75 @@ def _lift_into(b: _Builder, jaxpr, consts, in_ids: Sequence[int], prefix: str) -
         else:
             fl = flops_mod.flops(eqn.primitive.name, in_shapes, out_shapes, eqn.params)
         b.nodes.append(Node(len(b.nodes), eqn.primitive.name, tuple(ins), tuple(outs), plain,
-                            fl, subgraphs, eqn, _name_of(eqn, prefix)))
+                            fl, subgraphs, eqn, _name_of(eqn, prefix), trips, loop))
     return [read(a) for a in jaxpr.outvars]
+
+
+def _lift_body(b: _Builder, closed, in_ids: Sequence[int], prefix: str, trips: float,
+               loop: int) -> Body:
+    jaxpr, consts = _compat.open_jaxpr(closed)
+    start = len(b.nodes)
+    outs = _lift_into(b, jaxpr, consts, in_ids, prefix, trips, loop)
+    return Body(tuple(in_ids), tuple(outs), tuple(range(start, len(b.nodes))))
+
+
+def _lift_loop(b: _Builder, eqn, ins: list[int], prefix: str, trips: float,
+               parent: int | None) -> list[int]:
+    """Inline a scan, while or cond: entry pseudo-nodes give each carry (and each slice of a
+    stacked input) its own value inside the loop, the bodies are lifted once with their trip
+    count, and exit pseudo-nodes produce the loop's results."""
+    prim, params = eqn.primitive.name, eqn.params
+    lid = len(b.loops)
+    b.loops.append(None)  # reserved: nested loops take the ids after this one
+    results = [b.new_value(v.aval) for v in eqn.outvars]
+    enter, leave = [], []
+    if prim == "cond":
+        ops = ins[1:]
+        bodies = tuple(_lift_body(b, br, ops, prefix, trips, lid) for br in params["branches"])
+        for k, r in enumerate(results):
+            outs = [body.outvars[k] for body in bodies]
+            leave.append(b.pseudo("cond_merge", outs, (r,), trips, lid, prefix))
+        num_carry, inner = 0, trips
+    else:
+        if prim == "scan":
+            nc, num_carry = params["num_consts"], params["num_carry"]
+            inner = trips * float(params["length"])
+            init, xs = ins[nc:nc + num_carry], ins[nc + num_carry:]
+            closed = params["jaxpr"]
+            consts = ins[:nc]
+        else:
+            cnc, bnc = params["cond_nconsts"], params["body_nconsts"]
+            inner = trips * float(b.options.while_trips)
+            num_carry = len(ins) - cnc - bnc
+            init, xs = ins[cnc + bnc:], []
+            closed = params["body_jaxpr"]
+            consts = ins[cnc:cnc + bnc]
+        body_avals = _compat.open_jaxpr(closed)[0].invars
+        carries = []
+        for k, v in enumerate(init):
+            c = b.new_value(body_avals[len(consts) + k].aval)
+            enter.append(b.pseudo("loop_carry", (v,), (c,), inner, lid, prefix))
+            carries.append(c)
+        slices = []
+        for k, v in enumerate(xs):
+            x = b.new_value(body_avals[len(consts) + num_carry + k].aval)
+            enter.append(b.pseudo("loop_slice", (v,), (x,), inner, lid, prefix))
+            slices.append(x)
+        bodies = ()
+        if prim == "while":
+            cond_consts = ins[:params["cond_nconsts"]]
+            bodies += (_lift_body(b, params["cond_jaxpr"], [*cond_consts, *carries], prefix,
+                                  inner, lid),)
+        body = _lift_body(b, closed, [*consts, *carries, *slices], prefix, inner, lid)
+        bodies += (body,)
+        for k, r in enumerate(results[:num_carry]):
+            leave.append(b.pseudo("loop_result", (carries[k],), (r,), trips, lid, prefix))
+        for k, r in enumerate(results[num_carry:]):
+            leave.append(b.pseudo("loop_stack", (body.outvars[num_carry + k],), (r,), inner,
+                                  lid, prefix))
+    b.loops[lid] = Loop(lid, prim, eqn, parent, inner / trips if trips else inner, tuple(ins),
+                        tuple(results), bodies, tuple(enter), tuple(leave), num_carry)
+    return results
 
 
 def _control_flow_flops(prim: str, params, subgraphs: tuple[Graph, ...]) -> float:
@@ -136,16 +237,17 @@ def _lift_standalone(sub) -> Graph:
     return _lift_jaxpr(jaxpr, consts, info)
 
 
-def _lift_jaxpr(jaxpr, consts, info: ArgInfo) -> Graph:
-    b = _Builder()
+def _lift_jaxpr(jaxpr, consts, info: ArgInfo, options: LiftOptions = LiftOptions()) -> Graph:
+    b = _Builder(options)
     in_ids = [b.new_value(v.aval) for v in jaxpr.invars]
     outs = _lift_into(b, jaxpr, consts, in_ids, "")
     return Graph(tuple(b.values), tuple(b.nodes), tuple(in_ids), tuple(outs),
                  tuple(info.roles), tuple(info.ties), tuple(info.input_names),
-                 tuple(info.output_names), tuple(b.consts))
+                 tuple(info.output_names), tuple(b.consts), tuple(b.loops))
 
 
-def lift(closed_jaxpr, arg_info: ArgInfo | None = None) -> Graph:
+def lift(closed_jaxpr, arg_info: ArgInfo | None = None,
+         options: LiftOptions = LiftOptions()) -> Graph:
     """The Graph of a ClosedJaxpr; `arg_info` gives roles and state ties (default: all OTHER)."""
     jaxpr, consts = _compat.open_jaxpr(closed_jaxpr)
     if arg_info is None:
@@ -154,4 +256,4 @@ def lift(closed_jaxpr, arg_info: ArgInfo | None = None) -> Graph:
         raise ValueError(
             f"arg_info describes {len(arg_info.roles)} inputs and {len(arg_info.ties)} outputs, "
             f"but the jaxpr has {len(jaxpr.invars)} and {len(jaxpr.outvars)}")
-    return _lift_jaxpr(jaxpr, consts, arg_info)
+    return _lift_jaxpr(jaxpr, consts, arg_info, options)

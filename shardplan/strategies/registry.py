@@ -5,6 +5,7 @@ from __future__ import annotations
 from shardplan.ir.graph import Graph, Node
 from shardplan.strategies import (
     common,
+    control_flow,
     conv,
     dot,
     elementwise,
@@ -21,7 +22,7 @@ replicated_rule = common.replicated_rule
 
 def _build_rules() -> dict[str, Rule]:
     table: dict[str, Rule] = {}
-    for module in (dot, elementwise, reduce, shape_ops, conv, gather, other):
+    for module in (dot, elementwise, reduce, shape_ops, conv, gather, other, control_flow):
         for name, rule in module.rules().items():
             if name in table:
                 raise ValueError(f"primitive {name!r} has rules in two modules; keep one")

@@ -1,0 +1,127 @@
+"""THE jaxpr interpreter: run a lifted graph's equations again, loops included, with hooks
+that may constrain every value and operand (the emitter pins planned layouts through them).
+
+Loops are bound again, not unrolled: a scan runs as `lax.scan`, a while as `lax.while_loop`,
+a cond as `lax.switch`, each with a body that interprets the loop's inlined nodes, so the
+hooks reach the values inside the body on every iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+
+from shardplan import _compat
+from shardplan.ir.graph import Graph, Loop
+
+
+class Hooks(Protocol):
+    def value(self, vid: int, x: Any) -> Any:
+        """The value `vid` as the program should hold it (e.g. under a sharding constraint)."""
+
+    def operand(self, node_id: int, index: int, x: Any) -> Any:
+        """Operand `index` of node `node_id` as the node should read it."""
+
+
+class NoHooks:
+    def value(self, vid: int, x: Any) -> Any:
+        return x
+
+    def operand(self, node_id: int, index: int, x: Any) -> Any:
+        return x
+
+
+def _read(graph: Graph, env: dict, v: int):
+    val = graph.values[v]
+    return val.const if val.is_literal else env[v]
+
+
+def evaluate(graph: Graph, node_ids: Sequence[int], env: dict, hooks: Hooks = NoHooks(),
+             level: int | None = None) -> dict:
+    """Run the nodes `node_ids` (program order) of loop level `level` (None: the top), reading
+    and writing `env` (value id -> array or tracer). A node of a nested loop runs that loop
+    whole, once, where its first node appears."""
+    done: set[int] = set()
+    for nid in node_ids:
+        node = graph.nodes[nid]
+        if node.loop != level:
+            lid = node.loop
+            while lid is not None and graph.loops[lid].parent != level:
+                lid = graph.loops[lid].parent
+            if lid is not None and lid not in done:
+                done.add(lid)
+                _run_loop(graph, graph.loops[lid], env, hooks)
+            continue
+        if node.eqn is None:  # a pseudo-node of this level's own loop: structure only
+            continue
+        ins = [hooks.operand(nid, i, _read(graph, env, v)) for i, v in enumerate(node.inputs)]
+        outs = _compat.bind_eqn(node.eqn, ins)
+        for v, out in zip(node.outputs, outs):
+            env[v] = hooks.value(v, out)
+    return env
+
+
+def run(graph: Graph, flat_args: Sequence, hooks: Hooks = NoHooks()) -> list:
+    """The graph's flat outputs from its flat inputs."""
+    env = dict(zip(graph.inputs, flat_args))
+    for v in graph.consts:
+        env[v] = graph.values[v].const
+    evaluate(graph, range(len(graph.nodes)), env, hooks)
+    return [_read(graph, env, v) for v in graph.outputs]
+
+
+def _body_fn(graph: Graph, loop: Loop, b: int, env: dict, hooks: Hooks, bound: Sequence[int],
+             outs_to: Sequence[int]):
+    """A function of the values bound to `bound` (body invars) returning the body's outvars,
+    each passed through hooks.value of the matching `outs_to` value (its layout outside)."""
+    body = loop.bodies[b]
+
+    def fn(*vals):
+        inner = dict(env)  # outer values (loop constants) are read by closure
+        for v, x in zip(bound, vals):
+            inner[v] = hooks.value(v, x)
+        evaluate(graph, body.nodes, inner, hooks, loop.id)
+        outs = [_read(graph, inner, v) for v in body.outvars]
+        return [hooks.value(t, x) if t is not None else x
+                for t, x in zip(outs_to, outs)]
+
+    return fn
+
+
+def _run_loop(graph: Graph, loop: Loop, env: dict, hooks: Hooks) -> None:
+    ops = [_read(graph, env, v) for v in loop.operands]
+    params = loop.eqn.params
+    carries = loop.carry_values(graph)
+    nc = loop.num_carry
+    if loop.kind == "cond":
+        branches = [_body_fn(graph, loop, b, env, hooks, (), loop.results)
+                    for b in range(len(loop.bodies))]
+        outs = jax.lax.switch(ops[0], [lambda f=f: f() for f in branches])
+    else:
+        init_at = len(ops) - nc - (len(loop.enter) - nc)
+        init = [hooks.value(c, hooks.operand(n, 0, x))
+                for c, n, x in zip(carries, loop.enter, ops[init_at:init_at + nc])]
+        if loop.kind == "scan":
+            xs = [hooks.operand(n, 0, x) for n, x in zip(loop.enter[nc:], ops[init_at + nc:])]
+            slices = [graph.nodes[n].outputs[0] for n in loop.enter[nc:]]
+            fn = _body_fn(graph, loop, 0, env, hooks, (*carries, *slices),
+                          (*carries, *[None] * (len(loop.results) - nc)))
+
+            def step(carry, x):
+                outs = fn(*carry, *(x or ()))
+                ys = [hooks.operand(n, 0, y) for n, y in zip(loop.leave[nc:], outs[nc:])]
+                return outs[:nc], ys
+
+            final, ys = jax.lax.scan(step, init, xs or None, length=params["length"],
+                                     reverse=params["reverse"], unroll=params["unroll"])
+            outs = [*final, *ys]
+        else:
+            cond = _body_fn(graph, loop, 0, env, hooks, carries, (None,))
+            fn = _body_fn(graph, loop, 1, env, hooks, carries, carries)
+            outs = jax.lax.while_loop(lambda c: cond(*c)[0], lambda c: fn(*c), init)
+    for k, (r, x) in enumerate(zip(loop.results, outs)):
+        if k < nc:
+            x = hooks.operand(loop.leave[k], 0, x)
+        env[r] = hooks.value(r, x)
