@@ -20,6 +20,8 @@ from shardplan.intra.planner import IntraOptions, IntraPlan, plan_intra
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.plan import OpRow, Plan
+from shardplan.strategies.coverage import Coverage
+from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import parse_bytes
 
@@ -242,6 +244,14 @@ def auto(fn=None, *, mesh=None, memory_budget=None, donate_argnums: Sequence[int
         raise TypeError(f"shardplan.auto takes a function to plan, got {type(fn).__name__}; "
                         "pass options by keyword: shardplan.auto(step, mesh=mesh)")
     return AutoStep(fn, mesh, options, plan)
+
+
+def coverage(fn, *args, state_argnums: Sequence[int] | None = None,
+             batch_argnums: Sequence[int] | None = None) -> Coverage:
+    """Which operators of `fn(*args)` (arrays or ShapeDtypeStructs) would run replicated for
+    lack of a sharding rule, how many, and their share of the step's flops."""
+    traced = trace(fn, args, state_argnums, batch_argnums)
+    return coverage_of(lift(traced.closed_jaxpr, traced.arg_info))
 
 
 _CLUSTER = re.compile(r"(?P<profile>.+?)(?:-(?P<n>\d+))?$")

@@ -16,7 +16,6 @@ from flax import nnx
 
 import shardplan
 from shardplan.ir.lift import lift
-from tests.conftest import auto_mesh
 
 D, BATCH, SEQ, VOCAB, LAYERS = 64, 16, 16, 128, 4
 
@@ -257,3 +256,16 @@ def test_scan_body_planned_once_for_every_layer():
     big = lift(jax.make_jaxpr(f)(jnp.ones((48, 64, 64)), jnp.ones((8, 64))))
     assert len(small.nodes) == len(big.nodes)
     assert big.flops == pytest.approx(24 * small.flops)
+
+
+def test_coverage_names_what_runs_replicated():
+    def f(w, x):
+        y = jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), y, w)[0]
+
+    cov = shardplan.coverage(f, jnp.ones((4, 64, 64)), jnp.ones((8, 64)))
+    assert [(p, n) for p, n, _ in cov.replicated] == [("pure_callback", 1)]
+    assert 0 < cov.replicated_share < 0.01
+    assert "pure_callback x1" in str(cov)
+    full = shardplan.coverage(lambda w, x: x @ w, jnp.ones((64, 64)), jnp.ones((8, 64)))
+    assert not full.replicated and full.replicated_share == 0

@@ -38,7 +38,10 @@ def _read(graph: Graph, env: dict, v: int):
     return val.const if val.is_literal else env[v]
 
 
-def evaluate(graph: Graph, node_ids: Sequence[int], env: dict, hooks: Hooks = NoHooks(),
+NO_HOOKS = NoHooks()
+
+
+def evaluate(graph: Graph, node_ids: Sequence[int], env: dict, hooks: Hooks = NO_HOOKS,
              level: int | None = None) -> dict:
     """Run the nodes `node_ids` (program order) of loop level `level` (None: the top), reading
     and writing `env` (value id -> array or tracer). A node of a nested loop runs that loop
@@ -63,7 +66,7 @@ def evaluate(graph: Graph, node_ids: Sequence[int], env: dict, hooks: Hooks = No
     return env
 
 
-def run(graph: Graph, flat_args: Sequence, hooks: Hooks = NoHooks()) -> list:
+def run(graph: Graph, flat_args: Sequence, hooks: Hooks = NO_HOOKS) -> list:
     """The graph's flat outputs from its flat inputs."""
     env = dict(zip(graph.inputs, flat_args))
     for v in graph.consts:

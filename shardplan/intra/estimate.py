@@ -1,0 +1,85 @@
+"""What a chosen plan costs under the model: compute, communication (with the collectives the
+plan expects, for checking against the compiled program) and peak memory per device."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from shardplan.cost import collectives
+from shardplan.intra.problem import Problem, is_tensor
+from shardplan.ir.graph import Role
+from shardplan.plan import Estimate
+from shardplan.strategies.spec import ShardSpec
+
+
+def peak_bytes(problem: Problem, specs: Mapping[int, ShardSpec]) -> float:
+    g = problem.graph
+    n = len(g.nodes)
+    vids, ranges = problem.live_values()
+    profile = np.zeros(n + 2)
+    for v, (a, b) in zip(vids, ranges):
+        size = problem.cost.value_bytes(g.values[v], specs[v])
+        profile[a] += size
+        profile[b + 1] -= size
+    return float(np.max(np.cumsum(profile))) if n else float(profile[0])
+
+
+def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
+    g, cost = problem.graph, problem.cost
+    compute = comm = comm_bytes = 0.0
+    expected = []
+    for m, s in chosen.items():
+        if m < problem.num_inputs or m >= problem.num_real:
+            continue
+        node = g.nodes[m - problem.num_inputs]
+        c, k = cost.node_time(g, node, s)
+        compute += c
+        comm += k
+        comm_bytes += node.trips * collectives.comms_bytes(s.comms, cost.mesh)
+        expected += [(f"{node.primitive} {node.name}", c) for c in s.comms]
+    n_in = problem.num_inputs
+
+    done = set()
+
+    def reshard(value, src, dst, where, trips=1.0):
+        nonlocal comm, comm_bytes
+        if src == dst or (value.ndim == 0 and not src.partial) or (value.id, src, dst) in done:
+            return
+        # XLA reshards a value once for all the consumers that want the same layout.
+        done.add((value.id, src, dst))
+        comms = cost.reshard_comms(value, src, dst)
+        comm += trips * collectives.comms_time(comms, cost.mesh, cost.links)
+        comm_bytes += trips * collectives.comms_bytes(comms, cost.mesh)
+        expected.extend((f"{where}: {src} -> {dst}", c) for c in comms)
+
+    fanout = {v: chosen[problem.num_real + f].out_specs[0] for f, v in enumerate(problem.fanout_of)}
+
+    def route(value, dst, where, trips=1.0):
+        src = value_specs[value.id]
+        mid = fanout.get(value.id, src)
+        if mid != src and mid != dst:
+            reshard(value, src, mid, where + " (shared)", trips)
+            src = mid
+        reshard(value, src, dst, where, trips)
+
+    for node in g.nodes:
+        s = chosen[n_in + node.id]
+        for v, dst in zip(node.inputs, s.in_specs):
+            if is_tensor(g.values[v]) and v in value_specs:
+                trips = min(problem.trips(problem.producer[v][0]), node.trips)
+                route(g.values[v], dst, f"into {node.primitive} {node.name}", trips)
+    for src, carry, trips in g.carry_edges():
+        if is_tensor(g.values[src]) and src in value_specs:
+            route(g.values[src], value_specs[carry], "loop carry", trips)
+    for j, v in enumerate(g.outputs):
+        if not is_tensor(g.values[v]) or v not in value_specs:
+            continue
+        tie = g.output_ties[j]
+        dst = value_specs[g.inputs[tie]] if tie is not None else value_specs[v].without_partial()
+        route(g.values[v], dst, f"output {j}")
+    state = sum(cost.value_bytes(g.values[v], value_specs[v])
+                for v, r in zip(g.inputs, g.input_roles) if r == Role.STATE)
+    estimate = Estimate(compute, comm, peak_bytes(problem, value_specs), state, comm_bytes)
+    return estimate, tuple(expected)

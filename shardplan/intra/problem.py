@@ -1,0 +1,323 @@
+"""The intra-operator problem: members (the step's inputs and nodes), their strategies and
+groups, and the ILP they make: node and edge costs (loops' trip counts included) and the memory
+rows."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from shardplan.cost.model import AlphaBetaCost
+from shardplan.intra import ilp
+from shardplan.intra.simplify import Groups, merge_followers, tie_layers
+from shardplan.ir.graph import Graph, Role, Value
+from shardplan.strategies import registry
+from shardplan.strategies.base import Strategy
+from shardplan.strategies.spec import MeshShape, ShardSpec, enumerate_specs
+
+
+@dataclasses.dataclass(frozen=True)
+class IntraOptions:
+    memory_budget: float | None = None
+    time_limit_s: float = 30.0
+    seed: int = 0
+    workers: int = 1
+    memory_points: int = 6
+    max_split_dims: int = 2
+    # Fan-out members price a value's resharding once for all its consumers (as XLA runs it)
+    # instead of once per consumer; exact but it roughly doubles the ILP on 2-D meshes.
+    fanouts: bool = False
+    # Repeated layers (numbered scopes such as layer_3) share one choice per operator.
+    tie_layers: bool = True
+    # Cheap ops run in the layout of their largest operand (Alpa's follower merging).
+    merge_followers: bool = True
+    # Flat input index -> the spec it must have (user-pinned shardings, or a baseline to price).
+    fixed_inputs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
+    # Also solve with each expert plan's input specs pinned and keep the cheapest.
+    seed_baselines: bool = True
+
+
+def _source_strategies(value: Value, role: Role, mesh: MeshShape, max_split_dims: int) -> list[Strategy]:
+    if value.ndim == 0 or value.dtype.startswith("key") or role == Role.OTHER:
+        specs = [ShardSpec.replicated(value.ndim)]
+    else:
+        specs = enumerate_specs(value.shape, mesh, max_split_dims=max_split_dims)
+    return [Strategy(f"input{s}", (), (s,), 0.0) for s in specs]
+
+
+def is_tensor(value: Value) -> bool:
+    return not value.is_literal and value.const is None
+
+
+class Problem:
+    """The members (inputs and nodes), their strategies and groups, and the ILP they make."""
+
+    def __init__(self, graph: Graph, mesh: MeshShape, cost: AlphaBetaCost, options: IntraOptions):
+        self.graph, self.mesh, self.cost, self.options = graph, mesh, cost, options
+        self.num_inputs = n_in = len(graph.inputs)
+        self.strategies: list[list[Strategy]] = [
+            [Strategy("fixed", (), (options.fixed_inputs[i],), 0.0)] if i in options.fixed_inputs
+            else _source_strategies(graph.values[v], r, mesh, options.max_split_dims)
+            for i, (v, r) in enumerate(zip(graph.inputs, graph.input_roles))]
+        for node in graph.nodes:
+            self.strategies.append(registry.strategies_for(node, graph, mesh))
+        self.producer: dict[int, tuple[int, int]] = {v: (i, 0) for i, v in enumerate(graph.inputs)}
+        for node in graph.nodes:
+            for k, v in enumerate(node.outputs):
+                self.producer[v] = (n_in + node.id, k)
+        self.num_real = len(self.strategies)
+        self.source = dict(self.producer)
+        self.fanout_of: list[int] = []
+        if options.fanouts:
+            self._add_fanouts()
+        self._node_times: dict[tuple[int, int], tuple[float, float]] = {}
+        if options.merge_followers:
+            self.groups = merge_followers(graph, self.strategies, self.source, self.node_cost)
+        else:
+            self.groups = Groups(tuple(range(len(self.strategies))),
+                                 tuple(tuple(range(len(s))) for s in self.strategies))
+        self.roots = self.groups.roots()
+        if options.tie_layers:
+            self.rep = tie_layers(self._names(), self.strategies, self.roots, self._signature)
+        else:
+            self.rep = {r: r for r in self.roots}
+        self.reps = sorted(set(self.rep.values()))
+        self.index = {r: self.reps.index(self.rep[r]) for r in self.roots}
+
+    def _add_fanouts(self) -> None:
+        """A value read by several consumers gets a fan-out member: the layout it is resharded
+        to once (XLA reshards a value once for all consumers that want the same layout), from
+        which each consumer reads. Without it, every consumer would pay the same collective."""
+        g, n_in = self.graph, self.num_inputs
+        readers: dict[int, list[ShardSpec]] = {}
+        for node in g.nodes:
+            for i, v in enumerate(node.inputs):
+                if is_tensor(g.values[v]) and g.values[v].ndim > 0 and v in self.producer:
+                    readers.setdefault(v, []).extend(
+                        s.in_specs[i] for s in self.strategies[n_in + node.id])
+        for j, v in enumerate(g.outputs):
+            tie = g.output_ties[j]
+            if tie is not None and v in readers:
+                readers[v].extend(s.out_specs[0] for s in self.strategies[tie])
+        counts: dict[int, int] = {}
+        for node in g.nodes:
+            for v in set(node.inputs):
+                counts[v] = counts.get(v, 0) + 1
+        for v in g.outputs:
+            counts[v] = counts.get(v, 0) + 1
+        for v in sorted(readers):
+            if counts.get(v, 0) < 2:
+                continue
+            p, out_idx = self.producer[v]
+            specs = {s.out_specs[out_idx] for s in self.strategies[p]} | set(readers[v])
+            ordered = sorted(specs, key=lambda s: (len(s.used_axes()), str(s)))
+            self.source[v] = (len(self.strategies), 0)
+            self.strategies.append([Strategy("fanout", (s,), (s,), 0.0) for s in ordered])
+            self.fanout_of.append(v)
+
+    def _names(self) -> list[str]:
+        """A name per member: inputs by their pytree path, nodes by their scope, or, for nodes
+        without one (optimizer updates), the name of their first named operand."""
+        g = self.graph
+        names = [g.input_names[i] if i < len(g.input_names) else "" for i in range(self.num_inputs)]
+        of_value = dict(zip(g.inputs, names))
+        for node in g.nodes:
+            name = node.name or next((of_value[v] for v in node.inputs if of_value.get(v)), "")
+            names.append(name)
+            for v in node.outputs:
+                of_value[v] = name
+        return names + [""] * len(self.fanout_of)
+
+    def _signature(self, m: int) -> tuple:
+        g = self.graph
+        if m < self.num_inputs:
+            v = g.values[g.inputs[m]]
+            return ("input", v.shape, v.dtype)
+        if m >= self.num_real:
+            return ("fanout", m)
+        node = g.nodes[m - self.num_inputs]
+        return (node.primitive, tuple(g.values[v].shape for v in node.inputs),
+                tuple(g.values[v].shape for v in node.outputs))
+
+    def node_times(self, m: int, k: int) -> tuple[float, float]:
+        if m < self.num_inputs:
+            # A tie-break, not a cost (the ops that read an input pay its traffic): a
+            # thousandth of the time to read it once, so that where nothing else decides,
+            # smaller shards (the batch split, the state sharded) win.
+            value = self.graph.values[self.graph.inputs[m]]
+            spec = self.strategies[m][k].out_specs[0]
+            return 1e-3 * self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth, 0.0
+        if m >= self.num_real:
+            return 0.0, 0.0
+        key = (m, k)
+        if key not in self._node_times:
+            node = self.graph.nodes[m - self.num_inputs]
+            self._node_times[key] = self.cost.node_time(self.graph, node, self.strategies[m][k])
+        return self._node_times[key]
+
+    def trips(self, m: int) -> float:
+        """Times member m runs per step: inputs once, nodes per their loops, a fan-out as the
+        value it reshards. An edge between members is paid as often as the rarer of the two
+        runs (a loop constant is resharded once, outside the loop)."""
+        if m < self.num_inputs:
+            return 1.0
+        if m >= self.num_real:
+            return self.trips(self.producer[self.fanout_of[m - self.num_real]][0])
+        return self.graph.nodes[m - self.num_inputs].trips
+
+    def node_cost(self, m: int, k: int) -> float:
+        return sum(self.node_times(m, k))
+
+    def out_spec(self, m: int, out_idx: int, root_k: int) -> ShardSpec:
+        return self.strategies[m][self.groups.pick[m][root_k]].out_specs[out_idx]
+
+    def in_spec(self, m: int, in_idx: int, root_k: int) -> ShardSpec:
+        return self.strategies[m][self.groups.pick[m][root_k]].in_specs[in_idx]
+
+    def _reshard_matrix(self, value: Value, srcs: list[ShardSpec], dsts: list[ShardSpec]) -> np.ndarray:
+        us, si = np.unique([str(s) for s in srcs], return_inverse=True)
+        ud, di = np.unique([str(s) for s in dsts], return_inverse=True)
+        first_s = {str(s): s for s in srcs}
+        first_d = {str(s): s for s in dsts}
+        u = np.array([[self.cost.reshard_time(value, first_s[a], first_d[b]) for b in ud] for a in us])
+        return u[si][:, di]
+
+    def edges_and_unary(self):
+        """Node costs per root choice, and edge matrices between roots."""
+        g, n_in = self.graph, self.num_inputs
+        unary = {r: np.zeros(len(self.strategies[r])) for r in self.roots}
+        for m in range(len(self.strategies)):
+            r = self.groups.root[m]
+            unary[r] += np.array([self.node_cost(m, self.groups.pick[m][k])
+                                  for k in range(len(self.strategies[r]))])
+        edges: dict[tuple[int, int], np.ndarray] = {}
+
+        def add_edge(value: Value, p: int, out_idx: int, n: int, dst_of, trips=None) -> None:
+            rp, rn = self.groups.root[p], self.groups.root[n]
+            kp, kn = len(self.strategies[rp]), len(self.strategies[rn])
+            srcs = [self.out_spec(p, out_idx, k) for k in range(kp)]
+            if value.ndim == 0 and not any(s.partial for s in srcs):
+                return
+            if trips is None:
+                trips = min(self.trips(p), self.trips(n))
+            if rp == rn:
+                unary[rp] += trips * np.array([self.cost.reshard_time(value, srcs[k], dst_of(k))
+                                               for k in range(kp)])
+                return
+            dsts = [dst_of(k) for k in range(kn)]
+            mat = self._reshard_matrix(value, srcs, dsts)
+            if mat.any():
+                edges[(rp, rn)] = edges.get((rp, rn), 0) + trips * mat
+
+        for node in g.nodes:
+            m = n_in + node.id
+            for i, v in enumerate(node.inputs):
+                value = g.values[v]
+                if not is_tensor(value) or v not in self.producer:
+                    continue
+                p, out_idx = self.source[v]
+                add_edge(value, p, out_idx, m, lambda k, m=m, i=i: self.in_spec(m, i, k))
+        for f, v in enumerate(self.fanout_of):
+            m = self.num_real + f
+            p, out_idx = self.producer[v]
+            add_edge(g.values[v], p, out_idx, m, lambda k, m=m: self.in_spec(m, 0, k))
+        for src, carry, trips in g.carry_edges():
+            # What a loop body hands to its next iteration is resharded into the carry's layout.
+            if not is_tensor(g.values[src]) or src not in self.producer:
+                continue
+            p, out_idx = self.source[src]
+            c, _ = self.producer[carry]
+            add_edge(g.values[src], p, out_idx, c, lambda k, c=c: self.out_spec(c, 0, k), trips)
+        for j, v in enumerate(g.outputs):
+            value = g.values[v]
+            if not is_tensor(value) or v not in self.producer:
+                continue
+            tie = g.output_ties[j] if j < len(g.output_ties) else None
+            p, out_idx = self.source[v] if tie is not None else self.producer[v]
+            if tie is not None:
+                add_edge(value, p, out_idx, tie, lambda k, s=tie: self.out_spec(s, 0, k))
+            else:
+                rp = self.groups.root[p]
+                unary[rp] += np.array([
+                    self.cost.reshard_time(value, s, s.without_partial()) if s.partial else 0.0
+                    for s in (self.out_spec(p, out_idx, k) for k in range(len(self.strategies[rp])))])
+        return unary, edges
+
+    def live_values(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """Values counted in memory and their live range [first, last] in node positions.
+        Inputs live the whole step; outputs tied to a state input reuse its (donated) buffer."""
+        g = self.graph
+        n = len(g.nodes)
+        tied = {g.outputs[j] for j, t in enumerate(g.output_ties) if t is not None}
+        last = g.last_use()
+        vids, ranges = [], []
+        for v in g.inputs:
+            vids.append(v)
+            ranges.append((0, n - 1))
+        for node in g.nodes:
+            for v in node.outputs:
+                if v in tied or v not in last:
+                    continue
+                vids.append(v)
+                ranges.append((node.id, min(last[v], n - 1)))
+        return vids, ranges
+
+    def memory_rows(self):
+        g = self.graph
+        n = len(g.nodes)
+        if n == 0:
+            return ()
+        vids, ranges = self.live_values()
+        profile = np.zeros(n + 1)
+        for v, (a, b) in zip(vids, ranges):
+            profile[a] += g.values[v].nbytes
+            profile[b + 1] -= g.values[v].nbytes
+        profile = np.cumsum(profile)[:n]
+        points: list[int] = []
+        window = max(1, n // (4 * self.options.memory_points))
+        for t in np.argsort(-profile, kind="stable"):
+            if len(points) >= self.options.memory_points:
+                break
+            if all(abs(int(t) - p) > window for p in points):
+                points.append(int(t))
+        rows = []
+        for t in sorted(points):
+            terms: dict[int, np.ndarray] = {}
+            for v, (a, b) in zip(vids, ranges):
+                if not a <= t <= b:
+                    continue
+                p, out_idx = self.producer[v]
+                r = self.groups.root[p]
+                arr = np.array([self.cost.value_bytes(g.values[v], self.out_spec(p, out_idx, k))
+                                for k in range(len(self.strategies[r]))])
+                terms[r] = terms.get(r, 0) + arr
+            by_rep: dict[int, np.ndarray] = {}
+            for r, arr in terms.items():
+                by_rep[self.index[r]] = by_rep.get(self.index[r], 0) + arr
+            rows.append(tuple(sorted(by_rep.items(), key=lambda kv: kv[0])))
+        return tuple(rows)
+
+    def solver_input(self) -> ilp.SolverInput:
+        """The ILP over representatives: tied roots add their costs to their representative."""
+        unary, edges = self.edges_and_unary()
+        costs = [np.zeros(len(self.strategies[r])) for r in self.reps]
+        for r in self.roots:
+            costs[self.index[r]] += unary[r]
+        merged: dict[tuple[int, int], np.ndarray] = {}
+        for (a, b), m in sorted(edges.items()):
+            ia, ib = self.index[a], self.index[b]
+            if ia == ib:
+                costs[ia] += np.diagonal(m)
+            else:
+                merged[(ia, ib)] = merged.get((ia, ib), 0) + m
+        node_costs = tuple(costs)
+        edge_list = tuple((a, b, m) for (a, b), m in sorted(merged.items()))
+        budget = self.options.memory_budget
+        rows = self.memory_rows() if budget is not None else ()
+        return ilp.SolverInput(node_costs, edge_list, rows, budget, self.options.time_limit_s,
+                               self.options.seed, self.options.workers,
+                               hint=tuple(0 for _ in self.reps))
+
+
