@@ -78,11 +78,15 @@ def layer_template(name: str) -> tuple[str, int] | None:
 
 
 def tie_layers(names: Sequence[str], strategies: list[list[Strategy]], roots: Sequence[int],
-               signature) -> dict[int, int]:
+               signature, period: int = 2) -> dict[int, int]:
     """Repeated layers share variables: each root maps to a representative, the root with the
-    same layer template, occurrence and strategies in the lowest-numbered layer. Roots outside
-    numbered scopes represent themselves. `signature(m)` tells members apart beyond strategies
-    (primitive, shapes)."""
+    same layer template, occurrence and strategies in the lowest-numbered layer of the same
+    residue modulo `period`. Roots outside numbered scopes represent themselves.
+    `signature(m)` tells members apart beyond strategies (primitive, shapes).
+
+    A period of 2 lets neighbouring layers differ, as Megatron's column / row split of
+    consecutive dense layers does (with a period of 1 every Dense_i took one layout and the
+    step sent 1.1-1.6x the bytes); it admits every period-1 plan, so it is never worse."""
     occurrence: dict[tuple, int] = {}
     first: dict[tuple, int] = {}
     rep = {}
@@ -92,7 +96,7 @@ def tie_layers(names: Sequence[str], strategies: list[list[Strategy]], roots: Se
             rep[r] = r
             continue
         template, layer = t
-        key = (template, signature(r), tuple(s.name for s in strategies[r]))
+        key = (template, layer % period, signature(r), tuple(s.name for s in strategies[r]))
         n = occurrence.get((key, layer), 0)
         occurrence[(key, layer)] = n + 1
         rep[r] = first.setdefault((key, n), r)
