@@ -68,18 +68,21 @@ def test_every_strategy_compiles_to_what_it_declares(case, mesh_name, request):
 MESH = MeshShape(("data", "model"), (2, 4))
 
 
-def test_embedding_lookup_splits_the_batch_or_the_hidden_dimension():
+def test_embedding_lookup_splits_the_batch_the_hidden_or_the_vocabulary_dimension():
     graph, node = _node(lambda t, i: t[i], (TABLE, IDS), "gather")
     strategies = registry.strategies_for(node, graph, MESH)
-    assert len(strategies) == 16  # each axis: batch, sequence, hidden or nothing
+    assert len(strategies) == 25  # each axis: batch, sequence, hidden, vocabulary or nothing
     by_in = {s.in_specs: s.out_specs[0] for s in strategies}
     # the table replicated, the ids split by batch: the output split by batch
     rep, ids = ShardSpec.replicated(2), ShardSpec.split(3, 0, "data")
     assert by_in[(rep, ids)] == ShardSpec.split(3, 0, "data")
     # the table split by hidden columns: the output's hidden dimension follows
     assert by_in[(ShardSpec.split(2, 1, "model"), ids)] == ShardSpec((("data",), (), ("model",)))
-    # the vocabulary (indexed) dimension is never split
-    assert all(not s.in_specs[0].dims[0] for s in strategies)
+    # the vocabulary (indexed) dimension split: each device looks up the rows it holds and
+    # the output is a partial sum over the axis (Megatron's vocab-parallel embedding)
+    vocab = ShardSpec.split(2, 0, "model")
+    assert by_in[(vocab, ids)] == ShardSpec.split(3, 0, "data").with_partial(("model",))
+    assert all(s.out_specs[0].partial == s.in_specs[0].dims[0] for s in strategies)
 
 
 def test_embedding_gradient_is_a_partial_sum_over_the_batch_axes():
@@ -97,4 +100,4 @@ def test_overwriting_scatters_never_split_their_updates():
                         (TABLE, jnp.ones((8,), jnp.int32), jnp.ones((8, 16))), "scatter")
     strategies = registry.strategies_for(node, graph, MESH)
     assert all(not s.in_specs[1].used_axes() and not s.out_specs[0].partial for s in strategies)
-    assert len(strategies) == 4  # the column dimension: data, model, both, nothing
+    assert len(strategies) == 9  # each axis: the rows, the columns or nothing

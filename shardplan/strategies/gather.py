@@ -1,5 +1,6 @@
 """gather and scatter (embedding lookups and their gradients, one-hot updates): splits of the
-dimensions no index touches, read from the Gather/ScatterDimensionNumbers. JAX puts the index
+dimensions no index touches, and of the rows an index picks (vocab-parallel lookups), read
+from the Gather/ScatterDimensionNumbers. JAX puts the index
 vector in the last dimension of the indices; the others are the batch ("scatter") dimensions."""
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ def gather_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
              if sizes[d] == operand.shape[d] and d not in dn.start_index_map]
     if len(out_batch) != n_idx:
         return []
-    roles = [f"idx{j}" for j in range(n_idx)] + [f"op{d}" for d, _ in whole]
+    # Megatron's vocab-parallel lookup: a dimension an index picks single rows of may be split;
+    # each device looks up the rows it holds (zeros elsewhere) and the result is a partial sum.
+    indexed = [d for d in dn.start_index_map if d in dn.collapsed_slice_dims and sizes[d] == 1]
+    if not common.is_float(out):
+        indexed = []
+    roles = ([f"idx{j}" for j in range(n_idx)] + [f"op{d}" for d, _ in whole]
+             + [f"rows{d}" for d in indexed])
     found = []
     for assign in common.assignments(mesh, len(roles)):
         op_dims, idx_dims, out_dims = [()] * operand.ndim, [()] * indices.ndim, [()] * out.ndim
@@ -43,11 +50,16 @@ def gather_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
             idx_dims[j] = out_dims[out_batch[j]] = axes
             if j in dn.start_indices_batching_dims:
                 op_dims[dn.operand_batching_dims[dn.start_indices_batching_dims.index(j)]] = axes
-        for (d, o), axes in zip(whole, assign[n_idx:]):
+        for (d, o), axes in zip(whole, assign[n_idx:n_idx + len(whole)]):
             op_dims[d] = out_dims[o] = axes
+        partial: list[str] = []
+        for d, axes in zip(indexed, assign[n_idx + len(whole):]):
+            op_dims[d] = axes
+            partial += axes
         found.append(common.make(
             node, graph, mesh, [ShardSpec(tuple(op_dims)), ShardSpec(tuple(idx_dims))],
-            [ShardSpec(tuple(out_dims))], name=_name("gather", roles, assign)))
+            [ShardSpec(tuple(out_dims), common.mesh_order(partial, mesh))],
+            name=_name("gather", roles, assign)))
     return [s for s in found if s is not None]
 
 
@@ -69,7 +81,11 @@ def scatter_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
              if updates.shape[u] == operand.shape[d] and d not in dn.scatter_dims_to_operand_dims]
     if len(upd_scatter) != n_idx:
         return []
-    roles = [f"idx{j}" for j in range(n_idx)] + [f"op{d}" for d, _ in whole]
+    # The gradient of a vocab-parallel lookup: a dimension indices address single rows of may
+    # be split; each device applies the updates that land in the rows it holds.
+    indexed = [d for d in dn.scatter_dims_to_operand_dims if d in dn.inserted_window_dims]
+    roles = ([f"idx{j}" for j in range(n_idx)] + [f"op{d}" for d, _ in whole]
+             + [f"rows{d}" for d in indexed])
     batching = dn.scatter_indices_batching_dims
     found = []
     for assign in common.assignments(mesh, len(roles)):
@@ -83,8 +99,10 @@ def scatter_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
                 partial += axes
         if partial and node.primitive not in _ADDITIVE:
             continue
-        for (d, u), axes in zip(whole, assign[n_idx:]):
+        for (d, u), axes in zip(whole, assign[n_idx:n_idx + len(whole)]):
             op_dims[d] = upd_dims[u] = axes
+        for d, axes in zip(indexed, assign[n_idx + len(whole):]):
+            op_dims[d] = axes
         op_spec = ShardSpec(tuple(op_dims))
         found.append(common.make(
             node, graph, mesh, [op_spec, ShardSpec(tuple(idx_dims)), ShardSpec(tuple(upd_dims))],
