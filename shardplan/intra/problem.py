@@ -28,11 +28,12 @@ class IntraOptions:
     max_split_dims: int = 2
     # Fan-out members price a value's resharding once for all its consumers (as XLA runs it)
     # instead of once per consumer. "partial": only for values their producer may leave
-    # partial sums (XLA reduces such a value once, and the many small reductions of a softmax
-    # over a split vocabulary otherwise cost a collective per reader: 1.3x the compiled comm
-    # time of Megatron's plan); "all": exact, but it roughly doubles the ILP on 2-D meshes
-    # (GPT-2 124M on 2x4 went from 60 s to over 10 minutes); "none".
-    fanouts: str = "partial"
+    # partial sums (XLA reduces such a value once; the small reductions of a softmax over a
+    # split vocabulary otherwise cost a collective per reader: 1.3x the compiled comm time of
+    # Megatron's plan); "all": exact; "none". They grow the ILP: "partial" planned GPT-2 124M
+    # in 1.2x the time on 8 devices but 6x on 2x4, so "auto" is "partial" on meshes with one
+    # useful axis and "none" on the others.
+    fanouts: str = "auto"
     # Repeated layers (numbered scopes such as layer_3) share one choice per operator.
     tie_layers: bool = True
     # Cheap ops run in the layout of their largest operand (Alpa's follower merging).
@@ -74,10 +75,13 @@ class Problem:
         self.num_real = len(self.strategies)
         self.source = dict(self.producer)
         self.fanout_of: list[int] = []
-        if options.fanouts not in ("none", "partial", "all"):
-            raise ValueError(f"fanouts={options.fanouts!r}: use 'none', 'partial' or 'all'")
-        if options.fanouts != "none":
-            self._add_fanouts(partial_only=options.fanouts == "partial")
+        fanouts = options.fanouts
+        if fanouts not in ("auto", "none", "partial", "all"):
+            raise ValueError(f"fanouts={fanouts!r}: use 'auto', 'none', 'partial' or 'all'")
+        if fanouts == "auto":
+            fanouts = "partial" if len(mesh.useful_axes()) == 1 else "none"
+        if fanouts != "none":
+            self._add_fanouts(partial_only=fanouts == "partial")
         self._node_times: dict[tuple[int, int], tuple[float, float]] = {}
         if options.merge_followers:
             self.groups = merge_followers(graph, self.strategies, self.source, self.node_cost)
