@@ -54,7 +54,7 @@ def test_searched_plan_splits_the_vocabulary_and_wins_compiled():
 
 
 def test_vocab_split_lookup_equals_the_single_device_step(mesh8):
-    step, abstract = _step()
+    step, _ = _step()
     key = jax.random.key(0)
     params = {"wte": {"embedding": jax.random.normal(key, (VOCAB, D)) * 0.02},
               "w": jax.random.normal(key, (D, D)) * 0.1}
