@@ -139,7 +139,9 @@ def test_two_d_baseline_on_the_scanned_gpt_matches_single_device():
 
 
 def test_planned_scanned_gpt_equals_single_device(mesh2x4):
-    m = _step(scan_layers=True, **CMP)
+    # momentum SGD: the key bias's gradient is zero up to rounding (softmax is shift
+    # invariant), which Adam would turn into updates of the learning rate's size
+    m = _step(scan_layers=True, **CMP, optimizer="sgd")
     plan, ratio = check_planned(m.fn, m.args, mesh2x4)
     stacked = {n: s for n, s in plan.in_specs.items() if n.startswith("[0]['layers']")}
     assert stacked and all(len(s) == 0 or s[0] is None for s in stacked.values())
