@@ -28,8 +28,9 @@ MEGATRON_RULES: tuple[SplitRule, ...] = (
     (r"(^|/)experts/w[io]$", 0),
     # column parallel: split the output features (whole heads, as qkv is laid out heads-major)
     (r"(^|/)(qkv|query|key|value|fc_in|wi|up|gate)/(kernel|bias)$", -1),
-    # row parallel: split the input features; the bias is added after the all-reduce
-    (r"(^|/)(out|fc_out|wo|down)/kernel$", 0),
+    # row parallel: split the input features (counted from the end: a scanned model's
+    # kernels are stacked on a leading layer dim); the bias is added after the all-reduce
+    (r"(^|/)(out|fc_out|wo|down)/kernel$", -2),
     # vocab parallel embeddings and LM head
     (r"(^|/)wte/embedding$", 0),
     (r"(^|/)lm_head/kernel$", -1),

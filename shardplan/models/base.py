@@ -114,7 +114,7 @@ def host_init(shapes, *, seed: int, std: float | None = None):
 
     def leaf(path, x):
         name = str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1])))
-        if name in zeros or len(x.shape) < 2:
+        if name in zeros or name in ones or len(x.shape) < 2:  # stacked (L, d) scales too
             value = np.ones(x.shape) if name in ones else np.zeros(x.shape)
         else:
             scale = std if std is not None else 1.0 / math.sqrt(math.prod(x.shape[:-1]))

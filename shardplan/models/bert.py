@@ -57,6 +57,7 @@ class Bert(nn.Module):
 
 def build(cfg: layers.TransformerConfig, *, abstract: bool, size: str) -> base.TrainStep:
     """fn(params, opt_state, batch, rng); the batch marks the masked positions in `weights`."""
+    layers.require_unrolled(cfg, "bert")
     model = Bert(cfg)
     opt = base.make_optimizer(cfg)
     b, t = cfg.batch_size, cfg.seq_len

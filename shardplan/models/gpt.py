@@ -76,8 +76,7 @@ class GPT(nn.Module):
                            embedding_init=init, name="wpe")
             x = x + wpe(jnp.arange(t))[None]
         x = nn.Dropout(c.dropout_rate)(x, deterministic=not train)
-        for i in range(c.num_layers):
-            x = layers.Block(c, moe=c.is_moe_layer(i), name=f"layer_{i}")(x, train=train)
+        x = layers.decoder_layers(c, x, train=train)
         x = layers.make_norm(c, "ln_f")(x)
         if c.tied_embeddings:
             return wte.attend(x)

@@ -61,6 +61,12 @@ class TransformerConfig:
     param_dtype: str | None = None
     """Parameter dtype; None means the compute dtype."""
     init_std: float = 0.02
+    scan_layers: bool = False
+    """gpt and llama: stack the layers' parameters (leading layer dimension) and run one block
+    with `nn.scan` (MaxText's layout, params under `layers`); False: `layer_0`, `layer_1`, ..."""
+    remat: bool | None = None
+    """Recompute each block's activations in the backward pass (`nn.remat`); None means
+    `scan_layers` (MaxText's default: remat when scanning)."""
     # vit only
     image_size: int = 32
     patch_size: int = 8
@@ -74,6 +80,12 @@ class TransformerConfig:
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by num_heads="
                              f"{self.num_heads}; change one of them")
+        moe = [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+        if self.scan_layers and moe:
+            raise ValueError(
+                f"scan_layers needs identical layers, but layers {moe} are MoE layers "
+                f"(num_experts={self.num_experts}, moe_every={self.moe_every}) and the others "
+                "dense; use scan_layers=False for MoE models")
 
     @property
     def head_dim(self) -> int:
@@ -250,6 +262,43 @@ class Block(nn.Module):
             return x + drop(mlp(make_norm(c, "ln_2")(x)))
         x = make_norm(c, "ln_1")(x + drop(attn(x, train=train)))
         return make_norm(c, "ln_2")(x + drop(mlp(x)))
+
+
+class ScannedBlock(Block):
+    """Block as an `nn.scan` body: the carry is x, `train` is a static attribute, no output."""
+
+    train: bool = False
+
+    @nn.compact
+    def __call__(self, x, _):
+        return super().__call__(x, train=self.train), None
+
+
+def require_unrolled(cfg: TransformerConfig, model: str) -> None:
+    """For the models that build their blocks unrolled only (bert, vit)."""
+    if cfg.scan_layers or cfg.remat:
+        raise ValueError(f"{model} does not support scan_layers or remat; gpt and llama do")
+
+
+def decoder_layers(cfg: TransformerConfig, x, *, train: bool):
+    """The config's `num_layers` blocks applied to x, from inside a compact method: unrolled
+    (`layer_0`, `layer_1`, ...) or, with `scan_layers`, one block scanned over parameters
+    stacked on a leading layer dimension (`layers`), each block rematerialised if `remat`."""
+    remat = cfg.scan_layers if cfg.remat is None else cfg.remat
+    if not cfg.scan_layers:
+        for i in range(cfg.num_layers):
+            moe, name = cfg.is_moe_layer(i), f"layer_{i}"
+            if remat:  # `train` as an attribute: remat traces its arguments
+                x, _ = nn.remat(ScannedBlock)(cfg, moe=moe, train=train, name=name)(x, None)
+            else:
+                x = Block(cfg, moe=moe, name=name)(x, train=train)
+        return x
+    # MaxText's layout; inside a scan, CSE cannot merge the recomputation across iterations
+    body = nn.remat(ScannedBlock, prevent_cse=False) if remat else ScannedBlock
+    stack = nn.scan(body, variable_axes={"params": 0},
+                    split_rngs={"params": True, "dropout": True}, length=cfg.num_layers)
+    x, _ = stack(cfg, train=train, name="layers")(x, None)
+    return x
 
 
 def aux_loss(state) -> jax.Array:

@@ -52,6 +52,7 @@ class ViT(nn.Module):
 
 def build(cfg: layers.TransformerConfig, *, abstract: bool, size: str) -> base.TrainStep:
     """fn(params, opt_state, batch, rng); batch = images (B, I, I, 3) and labels (B,)."""
+    layers.require_unrolled(cfg, "vit")
     if cfg.image_size % cfg.patch_size:
         raise ValueError(f"image_size={cfg.image_size} is not divisible by patch_size="
                          f"{cfg.patch_size}")
