@@ -40,7 +40,7 @@ def double():
 
 def test_pure_callback_runs_replicated_and_is_reported():
     graph, node = H.single_node(_callback, A, primitive="pure_callback")
-    assert "pure_callback" not in registry.RULES
+    assert registry.rule_of("pure_callback") is None
     assert registry.unknown_primitives(graph) == {"pure_callback"}
     for mesh in MESHES:
         (s,) = registry.strategies_for(node, graph, mesh)
@@ -82,7 +82,7 @@ def test_control_flow_runs_replicated_and_is_reported():
 def test_other_rules(case, mesh_name, request):
     name, f, args = case
     graph, node = H.single_node(f, *args, primitive=name)
-    assert name in registry.RULES and not registry.unknown_primitives(graph) & {name}
+    assert registry.rule_of(name) is not None and not registry.unknown_primitives(graph) & {name}
     if name == "random_bits":  # key inputs: checked by hand below
         _check_random_bits(node, graph, request.getfixturevalue(mesh_name), f, args)
         return

@@ -10,8 +10,8 @@ from typing import Protocol
 
 from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
+from shardplan.ir import primitives
 from shardplan.ir.graph import Graph, Node, Value
-from shardplan.strategies import elementwise, other
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
@@ -37,12 +37,7 @@ class CostModel(Protocol):
 
 # Ops XLA fuses into loop or input fusions with their neighbours: their intermediates are
 # never written to memory, only what the fusion reads from outside and what it leaves behind.
-FUSED = frozenset({
-    *elementwise.ELEMENTWISE, *other.RANDOM, "random_bits", *other.IDENTITIES,
-    "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "reshape", "slice", "pad", "rev",
-    "concatenate", "iota", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-    "reduce_and", "reduce_or", "argmax", "argmin",
-})
+FUSED = frozenset(name for name, info in primitives.PRIMITIVES.items() if info.fusible)
 
 
 class AlphaBetaCost:
