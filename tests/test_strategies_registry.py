@@ -38,6 +38,15 @@ def double():
     return _custom_primitive()
 
 
+def test_every_family_of_the_primitive_table_has_a_rule():
+    """Families are the table's and the rules' shared vocabulary: no typo on either side."""
+    from shardplan.ir import primitives
+
+    families = {i.family for i in primitives.PRIMITIVES.values()}
+    assert families - set(registry.RULES) == {"control", "call", "replicated"}
+    assert set(registry.RULES) <= families
+
+
 def test_pure_callback_runs_replicated_and_is_reported():
     graph, node = H.single_node(_callback, A, primitive="pure_callback")
     assert registry.rule_of("pure_callback") is None
