@@ -7,9 +7,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from jax.extend.core import Primitive
+from jax.extend.core import primitives as public_primitives
 
-from shardplan import _compat
+from shardplan import _compat, models
 from shardplan.ir import primitives
+from shardplan.ir.lift import lift
 
 F32 = jnp.float32
 X = jax.ShapeDtypeStruct((16, 32), F32)
@@ -133,9 +136,7 @@ def _real_names() -> set[str]:
     """Every primitive of the installed JAX: the public jax.extend.core.primitives lists most;
     split, reshard, random_wrap, shard_map... live only in the (loaded) modules that define
     them, so those are scanned for Primitive objects too."""
-    from jax.extend.core import Primitive, primitives as public
-
-    modules = [public, *(m for n, m in sorted(sys.modules.items())
+    modules = [public_primitives, *(m for n, m in sorted(sys.modules.items())
                          if m is not None and (n == "jax" or n.startswith("jax.")))]
     return {v.name for m in modules for v in list(vars(m).values()) if isinstance(v, Primitive)}
 
@@ -158,8 +159,6 @@ def test_control_flow_counts_its_bodies():
     def f(x):
         return lax.scan(lambda c, r: (c * r + 1.0, None), x[0], x)[0]
 
-    from shardplan.ir.lift import lift
-
     (node,) = lift(jax.make_jaxpr(f)(X)).nodes[-1:]
     assert node.primitive == "scan" and primitives.info("scan").flops is None
     assert node.flops == 16 * 2 * 32
@@ -167,8 +166,6 @@ def test_control_flow_counts_its_bodies():
 
 @pytest.fixture(scope="module")
 def zoo_primitives() -> dict[str, set[str]]:
-    from shardplan import models
-
     found: dict[str, set[str]] = {}
     for name in models.list_models():
         step = models.get_model(name, abstract=True)

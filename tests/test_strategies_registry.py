@@ -8,6 +8,7 @@ import optax
 import pytest
 from jax import lax
 
+from shardplan.ir import primitives
 from shardplan.ir.lift import lift
 from shardplan.strategies import registry
 from shardplan.strategies.spec import MeshShape
@@ -40,8 +41,6 @@ def double():
 
 def test_every_family_of_the_primitive_table_has_a_rule():
     """Families are the table's and the rules' shared vocabulary: no typo on either side."""
-    from shardplan.ir import primitives
-
     families = {i.family for i in primitives.PRIMITIVES.values()}
     assert families - set(registry.RULES) == {"control", "call", "replicated"}
     assert set(registry.RULES) <= families

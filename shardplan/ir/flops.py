@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 Shape = tuple[int, ...]
 FlopsRule = Callable[[Sequence[Shape], Sequence[Shape], dict], float]
 
@@ -56,8 +58,6 @@ def _taps(in_size: int, out_size: int, k_size: int, stride: int, lo: int, lhs_di
           rhs_dil: int) -> int:
     """(output, kernel) position pairs of one spatial dimension that read a real input element
     (not padding, not a hole of lhs dilation): XLA counts only these multiply-adds."""
-    import numpy as np
-
     o = np.arange(out_size)[:, None]
     k = np.arange(k_size)[None, :]
     pos = o * stride + k * rhs_dil - lo
