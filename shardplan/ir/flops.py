@@ -1,5 +1,5 @@
-"""Flops formulas, one pure function (in_shapes, out_shapes, params) -> flops per shape of
-work; which primitive uses which is the table in shardplan/ir/primitives.py.
+"""Flops formulas: pure functions (in_shapes, out_shapes, params) -> flops. Which primitive
+uses which is the table in shardplan/ir/primitives.py.
 
 The numbers follow XLA's cost analysis of the compiled CPU program (`compiled.cost_analysis()
 ["flops"]`), so the graph's flops can be checked against compiled programs: tests/

@@ -7,6 +7,7 @@ registry's default and unknown_primitives() reports them."""
 
 from __future__ import annotations
 
+from shardplan import _compat
 from shardplan.ir.graph import Graph, Node
 from shardplan.strategies import common
 from shardplan.strategies.base import Rule, Strategy
@@ -32,8 +33,6 @@ def random_bits_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy
     """With jax_threefry_partitionable (the default since jax 0.5), each device draws its own
     block of the bits, equal to that block of the unsharded draw: any split of the output,
     the key replicated, no communication. Without it, replicated only."""
-    from shardplan import _compat
-
     if not _compat.threefry_partitionable():
         return []
     ins = common.in_values(node, graph)
