@@ -48,7 +48,8 @@ def _each(family: str, flops_of: dict[str, F.FlopsRule], **fields) -> dict[str, 
     return {n: PrimitiveInfo(family, f, **fields) for n, f in flops_of.items()}
 
 
-# Elementwise ops JAX lowers to one HLO op each: one flop per element.
+# Elementwise ops JAX lowers to one HLO op each: one flop per element. (bitcast_convert_type
+# is elementwise between dtypes of one size; others change the shape and run replicated.)
 _ARITHMETIC = """
     abs add add_any and ceil clamp clz complex convert_element_type div eq floor ge gt imag
     is_finite le lt max min mul mulhi ne neg not or population_count real reduce_precision rem
