@@ -142,7 +142,7 @@ def test_planned_scanned_gpt_equals_single_device(mesh2x4):
     # momentum SGD: the key bias's gradient is zero up to rounding (softmax is shift
     # invariant), which Adam would turn into updates of the learning rate's size
     m = _step(scan_layers=True, **CMP, optimizer="sgd")
-    plan, ratio = check_planned(m.fn, m.args, mesh2x4)
+    plan, _ = check_planned(m.fn, m.args, mesh2x4)
     stacked = {n: s for n, s in plan.in_specs.items() if n.startswith("[0]['layers']")}
     assert stacked and all(len(s) == 0 or s[0] is None for s in stacked.values())
     assert any(s != P() for s in stacked.values())

@@ -8,6 +8,7 @@ import optax
 import pytest
 from jax import lax
 
+from shardplan.ir import primitives
 from shardplan.ir.lift import LiftOptions, lift
 from shardplan.strategies import registry
 from shardplan.strategies.spec import MeshShape
@@ -38,9 +39,16 @@ def double():
     return _custom_primitive()
 
 
+def test_every_family_of_the_primitive_table_has_a_rule():
+    """Families are the table's and the rules' shared vocabulary: no typo on either side."""
+    families = {i.family for i in primitives.PRIMITIVES.values()}
+    assert families - set(registry.RULES) == {"control", "call", "replicated"}
+    assert set(registry.RULES) <= families
+
+
 def test_pure_callback_runs_replicated_and_is_reported():
     graph, node = H.single_node(_callback, A, primitive="pure_callback")
-    assert "pure_callback" not in registry.RULES
+    assert registry.rule_of("pure_callback") is None
     assert registry.unknown_primitives(graph) == {"pure_callback"}
     for mesh in MESHES:
         (s,) = registry.strategies_for(node, graph, mesh)
@@ -94,7 +102,7 @@ def test_opaque_control_flow_runs_replicated_and_is_reported():
 def test_other_rules(case, mesh_name, request):
     name, f, args = case
     graph, node = H.single_node(f, *args, primitive=name)
-    assert name in registry.RULES and not registry.unknown_primitives(graph) & {name}
+    assert registry.rule_of(name) is not None and not registry.unknown_primitives(graph) & {name}
     if name == "random_bits":  # key inputs: checked by hand below
         _check_random_bits(node, graph, request.getfixturevalue(mesh_name), f, args)
         return

@@ -10,8 +10,8 @@ from typing import Protocol
 
 from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
+from shardplan.ir import primitives
 from shardplan.ir.graph import Graph, Node, Value
-from shardplan.strategies import control_flow, elementwise, other
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
@@ -37,12 +37,7 @@ class CostModel(Protocol):
 
 # Ops XLA fuses into loop or input fusions with their neighbours: their intermediates are
 # never written to memory, only what the fusion reads from outside and what it leaves behind.
-FUSED = frozenset({
-    *elementwise.ELEMENTWISE, *other.RANDOM, "random_bits", *other.IDENTITIES,
-    "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "reshape", "slice", "pad", "rev",
-    "concatenate", "iota", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-    "reduce_and", "reduce_or", "argmax", "argmin",
-})
+FUSED = frozenset(name for name, info in primitives.PRIMITIVES.items() if info.fusible)
 
 
 class AlphaBetaCost:
@@ -73,7 +68,7 @@ class AlphaBetaCost:
     def node_time(self, graph: Graph, node: Node, strategy: Strategy) -> tuple[float, float]:
         """(compute seconds, communication seconds) of one node under one strategy, for all
         the times it runs in the step (`node.trips`: the trip counts of the loops around it)."""
-        if node.primitive in control_flow.PSEUDO:
+        if node.primitive in primitives.PSEUDO:
             return 0.0, 0.0  # a loop's entry or exit moves no data
         compute, comm = self._node_time_once(graph, node, strategy)
         return compute * node.trips, comm * node.trips
@@ -98,9 +93,9 @@ class AlphaBetaCost:
         if edges is None:
             found = set(graph.boundary_values())
             for n in graph.nodes:
-                # a loop's entry or exit is no kernel: the ops around it still fuse (measured:
-                # counting them charged a scanned GPT 1.3x the compute of the unrolled one)
-                if n.primitive not in FUSED and n.primitive not in control_flow.PSEUDO:
+                # (a loop's entry or exit is fusible: counting it an edge charged a scanned
+                # GPT 1.3x the compute of the unrolled one)
+                if n.primitive not in FUSED:
                     found.update(n.inputs)
                     found.update(n.outputs)
             edges = self._edges[graph] = frozenset(found)

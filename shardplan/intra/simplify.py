@@ -7,11 +7,9 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
+from shardplan.ir import primitives
 from shardplan.ir.graph import Graph
 from shardplan.strategies.base import Strategy
-
-# Nodes whose choice matters on its own: never merged into their operand's choice.
-LEADERS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +36,7 @@ def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: di
     num_inputs = len(graph.inputs)
     for node in graph.nodes:
         m = num_inputs + node.id
-        if node.primitive in LEADERS or len(node.outputs) != 1:
+        if primitives.info(node.primitive).leader or len(node.outputs) != 1:
             continue
         tensor_inputs = [(i, v) for i, v in enumerate(node.inputs)
                          if not graph.values[v].is_literal and graph.values[v].const is None

@@ -1,48 +1,63 @@
-"""Flops of one equation, from a table keyed by primitive name (dot and conv exact,
-elementwise and reductions by element count, data movement free)."""
+"""Flops formulas: pure functions (in_shapes, out_shapes, params) -> flops. Which primitive
+uses which is the table in shardplan/ir/primitives.py.
+
+The numbers follow XLA's cost analysis of the compiled CPU program (`compiled.cost_analysis()
+["flops"]`), so the graph's flops can be checked against compiled programs: tests/
+test_ir_primitives.py measures them. XLA counts transcendental evaluations apart, and
+counts ops JAX or XLA expand (erf_inv, cumsum, select_and_scatter) by what they expand to.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 Shape = tuple[int, ...]
 FlopsRule = Callable[[Sequence[Shape], Sequence[Shape], dict], float]
 
-# Ops that only move or reinterpret data: XLA counts no flops for them.
-MOVEMENT = frozenset({
-    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "concatenate",
-    "slice", "dynamic_slice", "dynamic_update_slice", "gather", "pad", "rev", "copy",
-    "copy_p", "iota", "bitcast_convert_type",
-    "stop_gradient", "with_sharding_constraint", "sharding_constraint", "device_put",
-    "random_wrap", "random_unwrap", "random_seed", "random_bits", "random_fold_in",
-    "random_split", "threefry2x32", "optimization_barrier", "split", "clamp",
-    "sort", "argsort", "reduce_precision", "real", "imag", "copy_start", "pjit",
-})
 
-REDUCTIONS = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-    "reduce_xor", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
-    "reduce_precision",
-})
-
-
-def _size(shape: Shape) -> int:
+def size(shape: Shape) -> int:
     return math.prod(shape)
 
 
-def _dot_general(ins, outs, params) -> float:
+def zero(ins, outs, params) -> float:
+    """Ops that only move or reinterpret data, and pure transcendentals (counted apart)."""
+    return 0.0
+
+
+def elementwise(ins, outs, params) -> float:
+    """One flop per output element: the default, also of primitives the table does not know."""
+    return float(sum(size(o) for o in outs))
+
+
+def per_element(k: float) -> FlopsRule:
+    """k flops per element of the first output (ops JAX expands into k elementwise ops)."""
+    def rule(ins, outs, params) -> float:
+        return k * size(outs[0])
+    rule.__doc__ = f"{k} flops per output element"
+    return rule
+
+
+def constant(k: float) -> FlopsRule:
+    """k flops whatever the shapes (work on a single key)."""
+    def rule(ins, outs, params) -> float:
+        return float(k)
+    return rule
+
+
+def dot_general(ins, outs, params) -> float:
+    """A multiply and an add per output element and contracted position."""
     (lc, _), _ = params["dimension_numbers"]
     contract = math.prod(ins[0][d] for d in lc)
-    return 2.0 * _size(outs[0]) * contract
+    return 2.0 * size(outs[0]) * contract
 
 
 def _taps(in_size: int, out_size: int, k_size: int, stride: int, lo: int, lhs_dil: int,
           rhs_dil: int) -> int:
     """(output, kernel) position pairs of one spatial dimension that read a real input element
     (not padding, not a hole of lhs dilation): XLA counts only these multiply-adds."""
-    import numpy as np
-
     o = np.arange(out_size)[:, None]
     k = np.arange(k_size)[None, :]
     pos = o * stride + k * rhs_dil - lo
@@ -50,11 +65,11 @@ def _taps(in_size: int, out_size: int, k_size: int, stride: int, lo: int, lhs_di
     return int(valid.sum())
 
 
-def _conv(ins, outs, params) -> float:
+def conv(ins, outs, params) -> float:
     lhs, rhs, out = ins[0], ins[1], outs[0]
     dn = params.get("dimension_numbers")
     if dn is None:
-        return 2.0 * _size(out) * (_size(rhs) // max(rhs[0], 1))
+        return 2.0 * size(out) * (size(rhs) // max(rhs[0], 1))
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     nsp = len(lhs_spec) - 2
     strides = params.get("window_strides") or (1,) * nsp
@@ -68,60 +83,104 @@ def _conv(ins, outs, params) -> float:
     return 2.0 * out[out_spec[0]] * out[out_spec[1]] * rhs[rhs_spec[1]] * taps
 
 
-def _reduction(ins, outs, params) -> float:
-    return float(_size(ins[0])) if ins else 0.0
+def reduction(ins, outs, params) -> float:
+    """N elements reduced to M take N - M combines."""
+    return float(max(size(ins[0]) - size(outs[0]), 0)) if ins else 0.0
 
 
-def _scatter_add(ins, outs, params) -> float:
-    return float(_size(ins[-1])) if ins else 0.0
+def arg_reduction(ins, outs, params) -> float:
+    """argmax/argmin combine (value, index) pairs: 9 flops per combine for floats (7 for
+    integers; the formula sees no dtypes)."""
+    return 9.0 * reduction(ins, outs, params)
 
 
-def _reduce_window(ins, outs, params) -> float:
+def _scan(n: int) -> int:
+    """Flops of one row of a cumulative op of length n, as XLA CPU runs it: a reduce-window
+    of width n, which its ReduceWindowRewriter cuts into blocks of 16 (padded) once n > 16,
+    scans the block totals the same way, and adds them back."""
+    if n <= 16:
+        return n * (n - 1)
+    blocks = -(-n // 16)
+    carry = blocks * (blocks - 1) + blocks - 1 if blocks <= 16 else _scan(blocks)
+    return 16 * 15 * blocks + carry + 16 * blocks
+
+
+def cumulative(k: float = 1.0) -> FlopsRule:
+    """cumsum and friends along params["axis"]; k flops per combine (8 for cumlogsumexp)."""
+    def rule(ins, outs, params) -> float:
+        shape = ins[0]
+        n = shape[params["axis"]]
+        return k * _scan(n) * (size(shape) // max(n, 1))
+    return rule
+
+
+def sort(ins, outs, params) -> float:
+    """N ceil(log2 N) over all N elements of the first operand, whatever the dimension and
+    the number of operands (XLA's HandleSort)."""
+    n = size(ins[0])
+    return float(n * math.ceil(math.log2(n))) if n > 1 else 0.0
+
+
+def integer_pow(ins, outs, params) -> float:
+    """x ** y by repeated squaring: floor(log2 |y|) squarings and popcount(|y|) - 1 products,
+    and one division for y < 0."""
+    y = int(params["y"])
+    a = abs(y)
+    muls = a.bit_length() - 1 + a.bit_count() - 1 if a else 0
+    return float((muls + (y < 0)) * size(outs[0]))
+
+
+def _mode(params) -> str:
+    mode = params.get("mode")
+    return getattr(mode, "name", str(mode))
+
+
+def gather(ins, outs, params) -> float:
+    """Free, except out of bounds filled (mode FILL_OR_DROP, jnp's default): a select per
+    output element and 4 checks per index coordinate less one per index vector."""
+    if "FILL_OR_DROP" not in _mode(params):
+        return 0.0
+    idx = ins[1]
+    vectors = size(idx[:-1]) if idx else 1
+    return float(size(outs[0]) + 4 * size(idx) - vectors)
+
+
+def scatter_combine(ins, outs, params) -> float:
+    """scatter-add, -mul, -min, -max: one combine per update element (and, mode CLIP, one
+    clamp per index coordinate)."""
+    return float(size(ins[-1])) + scatter(ins, outs, params)
+
+
+def scatter(ins, outs, params) -> float:
+    """A scatter that replaces: free (and, mode CLIP, one clamp per index coordinate)."""
+    return float(size(ins[1])) if "CLIP" in _mode(params) and len(ins) > 1 else 0.0
+
+
+def reduce_window(ins, outs, params) -> float:
     window = math.prod(params.get("window_dimensions") or (1,))
-    return float(_size(outs[0])) * max(window - 1, 0)
+    return float(size(outs[0])) * max(window - 1, 0)
 
 
-def _select_and_scatter(ins, outs, params) -> float:
-    # XLA's cost analysis prices each source element at window^2 (measured on max-pool grads).
-    window = math.prod(params.get("window_dimensions") or (1,))
-    return float(_size(ins[0])) * window * window
+def select_and_scatter(ins, outs, params) -> float:
+    """Max-pool gradients as XLA CPU expands them: per source element, (7 + rank) flops for
+    each of window - 1 (value, index) comparisons and one add."""
+    dims = params.get("window_dimensions") or (1,)
+    window = math.prod(dims)
+    return float(size(ins[0])) * ((7 + len(dims)) * (window - 1) + 1)
 
 
-FLOPS: dict[str, FlopsRule] = {
-    "reduce_window": _reduce_window,
-    "reduce_window_sum": _reduce_window,
-    "reduce_window_max": _reduce_window,
-    "reduce_window_min": _reduce_window,
-    "select_and_scatter_add": _select_and_scatter,
-    "select_and_scatter": _select_and_scatter,
-    "dot_general": _dot_general,
-    "conv_general_dilated": _conv,
-    "scatter-add": _scatter_add,
-    "scatter_add": _scatter_add,
-    **{p: _reduction for p in REDUCTIONS},
-    **{p: (lambda ins, outs, params: 0.0) for p in MOVEMENT},
-}
+def random_bits(ins, outs, params) -> float:
+    """Partitionable threefry: about 43 integer ops per 32-bit word, and 2 more per dimension
+    for the word's counter."""
+    out = outs[0]
+    return float(size(out)) * (43 + 2 * len(out))
 
 
-# XLA's cost analysis counts transcendentals apart from flops; we follow it so that the graph's
-# flops can be checked against compiled programs (logistic is 3 flops + 1 transcendental).
-TRANSCENDENTAL = frozenset({
-    "exp", "exp2", "log", "log1p", "expm1", "tanh", "sqrt", "rsqrt", "cbrt", "pow", "erf",
-    "erfc", "erf_inv", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
-    "asinh", "acosh", "atanh", "lgamma", "digamma",
-})
-FLOPS.update({p: (lambda ins, outs, params: 0.0) for p in TRANSCENDENTAL})
-FLOPS["logistic"] = lambda ins, outs, params: 3.0 * _size(outs[0])
-FLOPS["integer_pow"] = lambda ins, outs, params: max(abs(params["y"]) - 1, 1) * float(_size(outs[0]))
-# threefry2x32 as XLA expands it: about 47 integer ops per 32-bit output word (measured).
-FLOPS["random_bits"] = lambda ins, outs, params: 47.0 * _size(outs[0])
+def random_split(ins, outs, params) -> float:
+    """Threefry per new key: 44 ops each, and 13 to set up."""
+    return 44.0 * size(outs[0]) + 13.0
 
 
-def _elementwise(ins, outs, params) -> float:
-    return float(sum(_size(o) for o in outs))
-
-
-def flops(primitive: str, in_shapes: Sequence[Shape], out_shapes: Sequence[Shape],
-          params: dict) -> float:
-    """Flops of one equation; unknown primitives count one flop per output element."""
-    return FLOPS.get(primitive, _elementwise)(in_shapes, out_shapes, params)
+def threefry2x32(ins, outs, params) -> float:
+    """About 41 integer ops per pair of 32-bit words."""
+    return 41.0 * size(outs[0])

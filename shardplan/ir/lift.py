@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from shardplan import _compat
-from shardplan.ir import flops as flops_mod
+from shardplan.ir import primitives
 from shardplan.ir.graph import Body, Graph, Loop, Node, Role, Value, dtype_itemsize
 
 # Call-like primitives whose body computes exactly the equation's outputs from its inputs:
@@ -146,10 +146,10 @@ def _lift_into(b: _Builder, jaxpr, consts, in_ids: Sequence[int], prefix: str,
         out_shapes = [b.values[i].shape for i in outs]
         plain = {k: v for k, v in eqn.params.items() if not _compat.is_jaxpr(v)
                  and not (isinstance(v, (tuple, list)) and any(_compat.is_jaxpr(x) for x in v))}
-        if subgraphs and eqn.primitive.name not in flops_mod.FLOPS:
+        if subgraphs and primitives.info(eqn.primitive.name).flops is None:
             fl = _control_flow_flops(eqn.primitive.name, eqn.params, subgraphs)
         else:
-            fl = flops_mod.flops(eqn.primitive.name, in_shapes, out_shapes, eqn.params)
+            fl = primitives.flops(eqn.primitive.name, in_shapes, out_shapes, eqn.params)
         b.nodes.append(Node(len(b.nodes), eqn.primitive.name, tuple(ins), tuple(outs), plain,
                             fl, subgraphs, eqn, _name_of(eqn, prefix), trips, loop))
     return [read(a) for a in jaxpr.outvars]

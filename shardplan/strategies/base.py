@@ -1,4 +1,5 @@
-"""A node's sharding strategy and the rule registry keyed by primitive name."""
+"""A node's sharding strategy, the collectives it performs, and the signature of a rule (one
+per primitive family; strategies/registry.py maps families to rules)."""
 
 from __future__ import annotations
 

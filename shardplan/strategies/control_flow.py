@@ -10,12 +10,13 @@ cond's results have one layout whichever branch ran (cond_merge)."""
 
 from __future__ import annotations
 
+from shardplan.ir import primitives
 from shardplan.ir.graph import Graph, Node
 from shardplan.strategies import common
 from shardplan.strategies.base import Rule, Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec, enumerate_specs
 
-PSEUDO = ("loop_carry", "loop_result", "loop_slice", "loop_stack", "cond_merge")
+PSEUDO = primitives.PSEUDO
 
 
 def _stacked(spec: ShardSpec) -> ShardSpec:
@@ -51,5 +52,5 @@ def stack_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
 
 
 def rules() -> dict[str, Rule]:
-    return {"loop_carry": same_rule, "loop_result": same_rule, "cond_merge": same_rule,
-            "loop_slice": slice_rule, "loop_stack": stack_rule}
+    """Rule of each family this module handles (families: shardplan/ir/primitives.py)."""
+    return {"loop_same": same_rule, "loop_slice": slice_rule, "loop_stack": stack_rule}

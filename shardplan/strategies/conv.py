@@ -62,9 +62,6 @@ def window_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
     return common.same_spec(node, graph, mesh, whole)
 
 
-WINDOWED = ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
-            "select_and_scatter_add", "select_and_gather_add")
-
-
 def rules() -> dict[str, Rule]:
-    return {"conv_general_dilated": conv_rule, **{p: window_rule for p in WINDOWED}}
+    """Rule of each family this module handles (families: shardplan/ir/primitives.py)."""
+    return {"conv": conv_rule, "window": window_rule}

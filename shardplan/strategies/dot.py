@@ -69,4 +69,5 @@ def dot_general_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy
 
 
 def rules() -> dict[str, Rule]:
-    return {"dot_general": dot_general_rule}
+    """Rule of each family this module handles (families: shardplan/ir/primitives.py)."""
+    return {"dot": dot_general_rule}

@@ -10,11 +10,6 @@ from shardplan.strategies import common
 from shardplan.strategies.base import Rule, Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
-# Scatters whose combiner is a sum: updates split over axes leave the output a partial sum.
-_ADDITIVE = frozenset({"scatter-add", "scatter_add"})
-SCATTERS = ("scatter", "scatter-add", "scatter_add", "scatter-sub", "scatter-mul",
-            "scatter-min", "scatter-max")
-
 
 def _name(kind: str, roles, assign) -> str:
     return kind + " " + (" ".join(f"{r}:{'+'.join(ax)}" for r, ax in zip(roles, assign) if ax)
@@ -64,6 +59,16 @@ def gather_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
 
 
 def scatter_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
+    """scatter (replace) and scatter-mul, -min, -max, -sub: see _scatter."""
+    return _scatter(node, graph, mesh, additive=False)
+
+
+def scatter_add_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
+    """scatter-add, whose combiner is a sum: updates split by index leave a partial sum."""
+    return _scatter(node, graph, mesh, additive=True)
+
+
+def _scatter(node: Node, graph: Graph, mesh: MeshShape, *, additive: bool) -> list[Strategy]:
     """Each mesh axis splits an operand dimension the updates cover whole and no index
     addresses (with its update window dimension), or an index batch dimension with the
     updates' scatter dimension: paired with an operand batching dimension it splits that
@@ -97,7 +102,7 @@ def scatter_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
                 op_dims[dn.operand_batching_dims[batching.index(j)]] = axes
             elif axes:
                 partial += axes
-        if partial and node.primitive not in _ADDITIVE:
+        if partial and not additive:
             continue
         for (d, u), axes in zip(whole, assign[n_idx:n_idx + len(whole)]):
             op_dims[d] = upd_dims[u] = axes
@@ -112,4 +117,5 @@ def scatter_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
 
 
 def rules() -> dict[str, Rule]:
-    return {"gather": gather_rule, **{p: scatter_rule for p in SCATTERS}}
+    """Rule of each family this module handles (families: shardplan/ir/primitives.py)."""
+    return {"gather": gather_rule, "scatter": scatter_rule, "scatter_add": scatter_add_rule}

@@ -3,14 +3,11 @@ partial sum, other reductions all-reduce, cumulative ops and argmax/argmin keep 
 
 from __future__ import annotations
 
+from shardplan.ir import primitives
 from shardplan.ir.graph import Graph, Node
 from shardplan.strategies import common
 from shardplan.strategies.base import Collective, Rule, Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec, enumerate_specs
-
-# Reductions that a collective can finish: the all-reduce computes the same monoid.
-_ALL_REDUCIBLE = ("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or")
-CUMULATIVE = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 
 
 def _reduced(node: Node) -> tuple[int, ...]:
@@ -57,22 +54,20 @@ def whole_axes_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]
 
 
 def cumulative_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
-    """cumsum and friends along an unsplit axis; cumsum, being linear, passes partials."""
+    """cumsum and friends along an unsplit axis; linear ones (cumsum) pass partials."""
     axis = node.params["axis"]
     found = [common.make(node, graph, mesh, [spec], [spec])
              for spec in _input_specs(node, graph, mesh) if not spec.dims[axis]]
     bases = [s for s in found if s is not None]
-    if node.primitive == "cumsum":
-        bases += common.partial_passthrough(node, graph, mesh, bases, (0,))
-    return bases
+    linear = primitives.info(node.primitive).linear
+    return bases + common.partial_passthrough(node, graph, mesh, bases, linear)
 
 
 def rules() -> dict[str, Rule]:
+    """Rule of each family this module handles (families: shardplan/ir/primitives.py)."""
     return {
         "reduce_sum": reduce_sum_rule,
-        **{p: all_reduce_rule for p in _ALL_REDUCIBLE},
-        "argmax": whole_axes_rule,
-        "argmin": whole_axes_rule,
-        "reduce_xor": whole_axes_rule,
-        **{p: cumulative_rule for p in CUMULATIVE},
+        "reduce": all_reduce_rule,
+        "reduce_whole": whole_axes_rule,
+        "cumulative": cumulative_rule,
     }

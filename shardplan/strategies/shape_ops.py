@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from shardplan.ir import primitives
 from shardplan.ir.graph import Graph, Node
 from shardplan.strategies import common
 from shardplan.strategies.base import Rule, Strategy
@@ -16,9 +17,10 @@ def _input_specs(node: Node, graph: Graph, mesh: MeshShape) -> list[ShardSpec]:
 
 
 def _with_partials(node: Node, graph: Graph, mesh: MeshShape, found) -> list[Strategy]:
-    """Linear one-operand movements also carry a partial sum through unchanged."""
+    """Movements linear in their operand also carry a partial sum through unchanged."""
     bases = [s for s in found if s is not None]
-    return bases + common.partial_passthrough(node, graph, mesh, bases, (0,))
+    linear = primitives.info(node.primitive).linear
+    return bases + common.partial_passthrough(node, graph, mesh, bases, linear)
 
 
 def transpose_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
@@ -151,18 +153,18 @@ def iota_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
 
 
 def rules() -> dict[str, Rule]:
+    """Rule of each family this module handles (families: shardplan/ir/primitives.py)."""
     return {
         "transpose": transpose_rule,
         "squeeze": squeeze_rule,
-        "broadcast_in_dim": broadcast_in_dim_rule,
+        "broadcast": broadcast_in_dim_rule,
         "reshape": reshape_rule,
         "slice": _whole(_sliced),
         "dynamic_slice": _whole(_dynamic_sliced),
         "dynamic_update_slice": _whole(_updated),
         "pad": _whole(_padded),
         "rev": _whole(_reversed),
-        "concatenate": _whole(_along_dimension),
-        "sort": _whole(_along_dimension),
+        "along_dimension": _whole(_along_dimension),
         "split": _whole(_along_axis),
         "iota": iota_rule,
     }

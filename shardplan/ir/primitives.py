@@ -1,0 +1,192 @@
+"""What is known about each JAX primitive, in one table keyed by primitive name: the strategy
+rule family that shards it, its flops, whether XLA fuses it, whether its sharding choice
+leads, and which operands a partial sum may pass through.
+
+Adding an operator: one entry here and, for a new family, one rule in shardplan/strategies/
+(registered in its module's `rules()`). Primitives the table does not know run replicated
+and are reported (see `info`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+
+from shardplan.ir import flops as F
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveInfo:
+    """What the planner knows of one primitive."""
+
+    family: str
+    """The strategy rule family (a key of strategies.registry.RULES). "replicated" (unknown
+    primitives), "control" (scan, while, cond, shard_map) and "call" (inlined by the lifter)
+    have no rule: their nodes run replicated and are reported."""
+    flops: F.FlopsRule | None = F.elementwise
+    """(in_shapes, out_shapes, params) -> flops, as XLA's cost analysis counts them; None:
+    the flops of its sub-jaxprs, which the lifter adds up."""
+    transcendental: bool = False
+    """XLA counts transcendental evaluations apart from flops (exp is 0 flops + 1)."""
+    fusible: bool = False
+    """XLA fuses it into loop or input fusions: only what crosses the fusion's edge is
+    written to or read from memory."""
+    leader: bool = False
+    """Its sharding choice matters on its own: never merged into its operand's as a follower."""
+    linear: tuple[int, ...] = ()
+    """Operands it is linear in, each alone with the others whole: a partial sum there
+    passes to the output. Only where the partitioner keeps it partial (measured): add is
+    linear in both together, but XLA reduces each operand before the add."""
+
+
+def _table(family: str, names: str, **fields) -> dict[str, PrimitiveInfo]:
+    return {n: PrimitiveInfo(family, **fields) for n in names.split()}
+
+
+def _each(family: str, flops_of: dict[str, F.FlopsRule], **fields) -> dict[str, PrimitiveInfo]:
+    return {n: PrimitiveInfo(family, f, **fields) for n, f in flops_of.items()}
+
+
+# Elementwise ops JAX lowers to one HLO op each: one flop per element. (bitcast_convert_type
+# is elementwise between dtypes of one size; others change the shape and run replicated.)
+_ARITHMETIC = """
+    abs add add_any and ceil clamp clz complex convert_element_type div eq floor ge gt imag
+    is_finite le lt max min mul mulhi ne neg not or population_count real reduce_precision rem
+    round select_n shift_left shift_right_arithmetic shift_right_logical sign square sub xor
+    bitcast_convert_type
+"""
+# One transcendental evaluation each, no flops.
+_TRANSCENDENTAL = "exp log log1p expm1 tanh sqrt rsqrt cbrt pow erf sin cos tan atan atan2"
+# Ops JAX expands (through CHLO) into several: flops per element measured on XLA CPU, f32.
+_EXPANDED_TRANSCENDENTAL = {
+    "exp2": 1, "logistic": 3, "acos": 3, "cosh": 3, "asin": 5, "atanh": 6, "acosh": 7,
+    "sinh": 10, "asinh": 11, "erf_inv": 37, "lgamma": 52, "erfc": 60, "digamma": 73,
+    "bessel_i0e": 83, "bessel_i1e": 83, "zeta": 122, "polygamma": 254, "igamma": 268,
+    "igammac": 268, "igamma_grad_a": 539,
+}
+_EXPANDED = {"conj": 4, "nextafter": 23}
+# Linear in operand k alone: a partial sum there passes through (see PrimitiveInfo.linear).
+_LINEAR = {"neg": (0,), "copy": (0,), "convert_element_type": (0,), "real": (0,),
+           "imag": (0,), "conj": (0,), "mul": (0, 1), "div": (0,)}
+
+_ELEMENTWISE = {
+    **_table("elementwise", _ARITHMETIC, fusible=True),
+    **_table("elementwise", _TRANSCENDENTAL, flops=F.zero, transcendental=True, fusible=True),
+    **_each("elementwise", {n: F.per_element(k) for n, k in _EXPANDED_TRANSCENDENTAL.items()},
+            transcendental=True, fusible=True),
+    **_each("elementwise", {n: F.per_element(k) for n, k in _EXPANDED.items()}, fusible=True),
+    # Not lowered to a flop: copies, and identities whose own sharding the plan replaces.
+    **_table("elementwise", "copy stop_gradient sharding_constraint reshard", flops=F.zero,
+             fusible=True),
+    "integer_pow": PrimitiveInfo("elementwise", F.integer_pow, fusible=True),
+    # Expanded by JAX into many ops; not measured yet: one flop per element.
+    **_table("elementwise", "regularized_incomplete_beta", fusible=True),
+}
+_ELEMENTWISE = {n: dataclasses.replace(i, linear=_LINEAR.get(n, ())) for n, i in
+                _ELEMENTWISE.items()}
+
+_REDUCTIONS = {
+    "reduce_sum": PrimitiveInfo("reduce_sum", F.reduction, fusible=True, linear=(0,)),
+    # finished across devices by an all-reduce of the same monoid
+    **_table("reduce", "reduce_max reduce_min reduce_prod reduce_and reduce_or",
+             flops=F.reduction, fusible=True),
+    **_table("reduce_whole", "argmax argmin", flops=F.arg_reduction, fusible=True),
+    "reduce_xor": PrimitiveInfo("reduce_whole", F.reduction),
+    "cumsum": PrimitiveInfo("cumulative", F.cumulative(), linear=(0,)),
+    **_table("cumulative", "cumprod cummax cummin", flops=F.cumulative()),
+    "cumlogsumexp": PrimitiveInfo("cumulative", F.cumulative(8.0), transcendental=True),
+}
+
+_SHAPE = {
+    **{n: PrimitiveInfo(n, F.zero, fusible=True, linear=(0,)) for n in
+       ("transpose", "squeeze", "reshape")},
+    "broadcast_in_dim": PrimitiveInfo("broadcast", F.zero, fusible=True, linear=(0,)),
+    **{n: PrimitiveInfo(n, F.zero, fusible=True) for n in ("slice", "pad", "rev", "iota")},
+    "concatenate": PrimitiveInfo("along_dimension", F.zero, fusible=True),
+    "sort": PrimitiveInfo("along_dimension", F.sort),
+    **{n: PrimitiveInfo(n, F.zero) for n in ("dynamic_slice", "dynamic_update_slice", "split")},
+}
+
+_INDEXED = {
+    "gather": PrimitiveInfo("gather", F.gather),
+    "scatter": PrimitiveInfo("scatter", F.scatter),
+    **_table("scatter", "scatter-mul scatter-min scatter-max scatter-sub",
+             flops=F.scatter_combine),
+    # a sum combiner: updates split by index leave the output a partial sum
+    "scatter-add": PrimitiveInfo("scatter_add", F.scatter_combine),
+}
+
+_WINDOWED = {
+    "conv_general_dilated": PrimitiveInfo("conv", F.conv, leader=True),
+    **_table("window", "reduce_window_sum reduce_window_max reduce_window_min reduce_window",
+             flops=F.reduce_window),
+    "select_and_scatter_add": PrimitiveInfo("window", F.select_and_scatter),
+    "select_and_gather_add": PrimitiveInfo("window"),
+    # the generic form (its select and scatter are sub-jaxprs): no rule
+    "select_and_scatter": PrimitiveInfo("replicated", F.select_and_scatter),
+}
+
+# Every device draws the same bits, except random_bits under partitionable threefry.
+_RANDOM = {
+    **_table("random", "random_wrap random_unwrap", flops=F.zero, fusible=True),
+    "random_seed": PrimitiveInfo("random", F.constant(3), fusible=True),
+    "random_fold_in": PrimitiveInfo("random", F.constant(53), fusible=True),
+    "random_split": PrimitiveInfo("random", F.random_split, fusible=True),
+    "threefry2x32": PrimitiveInfo("random", F.threefry2x32, fusible=True),
+    **_table("random", """random_clone random_gamma threefry4x32 philox2x32 philox4x32
+             rng_bit_generator rng_uniform iota_2x32_shape""", fusible=True),
+    "random_bits": PrimitiveInfo("random_bits", F.random_bits, fusible=True),
+}
+
+_OTHER = {
+    "dot_general": PrimitiveInfo("dot", F.dot_general, leader=True),
+    **_table("identity", "optimization_barrier device_put", flops=F.zero, fusible=True),
+    # Shardy has no sharding rule for these: XLA gathers their operands whatever the plan.
+    **_table("unpartitioned", "top_k approx_top_k"),
+    # The scalar a scan's transpose starts its zero accumulators from (jax's lax.empty2).
+    "empty2": PrimitiveInfo("unpartitioned", F.zero),
+    # Loops are inlined by the lifter (their entry and exit: _LOOP below); kept as one node,
+    # replicated, only when the lifter is told to keep loops whole; shard_map always.
+    **_table("control", "scan while cond shard_map", flops=None),
+    # Inlined by the lifter (ir/lift.py INLINE): a node only if a body does not fit.
+    **_table("call", """jit pjit closed_call remat2 custom_jvp_call custom_vjp_call
+             custom_vjp_call_jaxpr custom_lin""", flops=None),
+}
+
+# shardplan's own pseudo-primitives: the entry and exit of an inlined loop (ir/lift.py). They
+# have no equation and move no data; their rules (strategies/control_flow.py) give the layout
+# of a carry, of a stacked input's or output's slices, and of a cond's results.
+_LOOP = {
+    **_table("loop_same", "loop_carry loop_result cond_merge", flops=F.zero, fusible=True),
+    "loop_slice": PrimitiveInfo("loop_slice", F.zero, fusible=True),
+    "loop_stack": PrimitiveInfo("loop_stack", F.zero, fusible=True),
+}
+PSEUDO = frozenset(_LOOP)
+
+# Names of primitives that JAX has since renamed, kept so older versions plan alike.
+OLD_NAMES = frozenset({
+    "pjit",                   # jit before jax 0.7
+    "custom_vjp_call_jaxpr",  # custom_vjp_call before jax 0.6.1
+})
+
+PRIMITIVES: Mapping[str, PrimitiveInfo] = types.MappingProxyType(dict(sorted({
+    **_ELEMENTWISE, **_REDUCTIONS, **_SHAPE, **_INDEXED, **_WINDOWED, **_RANDOM, **_OTHER,
+    **_LOOP,
+}.items())))
+
+DEFAULT = PrimitiveInfo("replicated", F.elementwise)
+"""What the planner assumes of a primitive it does not know: it runs replicated, one flop
+per output element, never fused."""
+
+
+def info(primitive: str) -> PrimitiveInfo:
+    """The table's entry for `primitive`, DEFAULT for names it does not know."""
+    return PRIMITIVES.get(primitive, DEFAULT)
+
+
+def flops(primitive: str, in_shapes, out_shapes, params) -> float:
+    """Flops of one equation; 0 for primitives whose flops are their sub-jaxprs' (the lifter
+    adds those up)."""
+    rule = info(primitive).flops
+    return 0.0 if rule is None else rule(in_shapes, out_shapes, params)

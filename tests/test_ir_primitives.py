@@ -1,0 +1,181 @@
+"""The primitive table: its flops match XLA's cost analysis of each primitive compiled alone,
+its keys are real primitive names, and it knows every primitive of the zoo's train steps."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.extend.core import Primitive
+from jax.extend.core import primitives as public_primitives
+
+from shardplan import _compat, models
+from shardplan.ir import primitives
+from shardplan.ir.lift import lift
+
+F32 = jnp.float32
+X = jax.ShapeDtypeStruct((16, 32), F32)
+Y = jax.ShapeDtypeStruct((8, 16, 8), F32)
+I32 = jax.ShapeDtypeStruct((16, 32), jnp.int32)
+IDX = jax.ShapeDtypeStruct((8, 16, 1), jnp.int32)
+TABLE = jax.ShapeDtypeStruct((32, 64), F32)
+UPD = jax.ShapeDtypeStruct((8, 16, 64), F32)
+KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+_SCATTER = lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(0,),
+                                       scatter_dims_to_operand_dims=(0,))
+_GATHER = lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0,),
+                                     start_index_map=(0,))
+
+
+def _max_pool(z):
+    return lax.reduce_window(z, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+
+
+# (primitive, function, args): the function's jaxpr has an equation of the primitive, which
+# is compiled alone. Exact unless a relative tolerance follows.
+CASES = [
+    ("clamp", lambda a: lax.clamp(0.0, a, 1.0), (X,)),
+    ("sort", lambda a: lax.sort(a, dimension=1), (X,)),
+    ("sort", lambda a, b: lax.sort((a, b), dimension=0, num_keys=1), (Y, Y)),
+    ("reduce_precision", lambda a: lax.reduce_precision(a, 5, 10), (X,)),
+    ("cumsum", lambda a: lax.cumsum(a, axis=1), (Y,)),
+    ("cumsum", lambda a: lax.cumsum(a), (jax.ShapeDtypeStruct((48,), F32),)),
+    ("cumsum", lambda a: lax.cumsum(a), (jax.ShapeDtypeStruct((1000,), F32),)),
+    ("cummax", lambda a: lax.cummax(a, axis=0), (Y,)),
+    ("cumlogsumexp", lambda a: lax.cumlogsumexp(a, axis=1), (X,)),
+    ("reduce_sum", lambda a: jnp.sum(a, axis=(0, 2)), (Y,)),
+    ("reduce_max", lambda a: jnp.max(a, axis=1), (X,)),
+    ("argmax", lambda a: jnp.argmax(a, axis=2), (Y,)),
+    ("add", lambda a, b: a + b, (X, X)),
+    ("mul", lambda a, b: a * b, (X, X)),
+    ("select_n", lambda p, a, b: lax.select(p, a, b), (jax.ShapeDtypeStruct((16, 32), bool), X, X)),
+    ("convert_element_type", lambda a: a.astype(jnp.bfloat16), (X,)),
+    ("bitcast_convert_type", lambda a: lax.bitcast_convert_type(a, F32), (I32,)),
+    ("shift_right_logical", lambda a: lax.shift_right_logical(a, 3), (I32,)),
+    ("real", lax.real, (jax.ShapeDtypeStruct((64,), jnp.complex64),)),
+    ("exp", jnp.exp, (X,)),
+    ("tanh", jnp.tanh, (X,)),
+    ("logistic", jax.nn.sigmoid, (X,)),
+    ("exp2", lax.exp2, (X,)),
+    ("erf_inv", lax.erf_inv, (X,)),
+    ("asinh", lax.asinh, (X,)),
+    ("integer_pow", lambda a: lax.integer_pow(a, 7), (X,)),
+    ("integer_pow", lambda a: lax.integer_pow(a, -2), (X,)),
+    ("integer_pow", lambda a: lax.integer_pow(a, 1), (X,)),
+    ("transpose", lambda a: a.T, (X,)),
+    ("broadcast_in_dim", lambda a: jnp.broadcast_to(a, (4, 16, 32)), (X,)),
+    ("concatenate", lambda a, b: jnp.concatenate([a, b]), (X, X)),
+    ("dynamic_update_slice", lambda a, u: lax.dynamic_update_slice(a, u, (2, 0)), (X, X)),
+    ("iota", lambda: lax.iota(F32, 64), ()),
+    ("gather", lambda t, i: lax.gather(t, i, _GATHER, (1, 64), mode="fill"), (TABLE, IDX)),
+    ("gather", lambda t, i: lax.gather(t, i, _GATHER, (1, 64), mode="clip"), (TABLE, IDX)),
+    ("scatter-add", lambda t, i, u: lax.scatter_add(t, i, u, _SCATTER, mode="clip"),
+     (TABLE, IDX, UPD)),
+    ("scatter-mul", lambda t, i, u: lax.scatter_mul(t, i, u, _SCATTER, mode="fill"),
+     (TABLE, IDX, UPD)),
+    ("scatter", lambda t, i, u: lax.scatter(t, i, u, _SCATTER, mode="fill"), (TABLE, IDX, UPD)),
+    ("dot_general", lambda a, b: a @ b.T, (X, X)),
+    ("conv_general_dilated", lambda a, w: lax.conv_general_dilated(
+        a, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")),
+     (jax.ShapeDtypeStruct((2, 9, 9, 4), F32), jax.ShapeDtypeStruct((3, 3, 4, 8), F32))),
+    ("reduce_window_max", _max_pool, (jax.ShapeDtypeStruct((8, 8, 8, 8), F32),)),
+    ("select_and_scatter_add", jax.grad(lambda z: _max_pool(z).sum()),
+     (jax.ShapeDtypeStruct((8, 8, 8, 8), F32),)),
+    ("select_and_scatter_add", jax.grad(lambda z: lax.reduce_window(
+        z, -jnp.inf, lax.max, (2, 2), (2, 2), "VALID").sum()), (X,)),
+    ("random_fold_in", lambda k: jax.random.fold_in(k, 3), (KEY,)),
+    ("random_split", lambda k: jax.random.split(k, 4), (KEY,)),
+    ("random_bits", lambda k: jax.random.bits(k, (8, 16, 64)), (KEY,), 0.01),
+    ("random_bits", lambda k: jax.random.bits(k, (512,)), (KEY,), 0.01),
+]
+
+
+def _equation(name, f, args):
+    jaxpr = jax.make_jaxpr(f)(*args).jaxpr
+    found = [e for e in _equations(jaxpr) if e.primitive.name == name]
+    assert found, f"{name} not in {[e.primitive.name for e in jaxpr.eqns]}"
+    return found[0]
+
+
+def _equations(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                if _compat.is_jaxpr(x):
+                    yield from _equations(_compat.open_jaxpr(x)[0])
+
+
+def _compiled_alone(eqn) -> dict:
+    """XLA's cost analysis of the equation as its own program, its literals kept constant."""
+    lits = {k: a.val for k, a in enumerate(eqn.invars) if isinstance(a, _compat.Literal)}
+    args = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype)
+            for k, a in enumerate(eqn.invars) if k not in lits]
+
+    def alone(*xs):
+        it = iter(xs)
+        return eqn.primitive.bind(*[lits[k] if k in lits else next(it)
+                                    for k in range(len(eqn.invars))], **eqn.params)
+
+    return _compat.cost_analysis(jax.jit(alone).lower(*args).compile())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_flops_match_xla(case):
+    name, f, args, *rel = case
+    eqn = _equation(name, f, args)
+    cost = _compiled_alone(eqn)
+    ours = primitives.flops(name, [tuple(v.aval.shape) for v in eqn.invars],
+                            [tuple(v.aval.shape) for v in eqn.outvars], eqn.params)
+    assert ours == pytest.approx(cost.get("flops", 0.0), rel=rel[0] if rel else 1e-9)
+    assert primitives.info(name).transcendental == (cost.get("transcendentals", 0.0) > 0)
+
+
+def _real_names() -> set[str]:
+    """Every primitive of the installed JAX: the public jax.extend.core.primitives lists most;
+    split, reshard, random_wrap, shard_map... live only in the (loaded) modules that define
+    them, so those are scanned for Primitive objects too."""
+    modules = [public_primitives, *(m for n, m in sorted(sys.modules.items())
+                         if m is not None and (n == "jax" or n.startswith("jax.")))]
+    return {v.name for m in modules for v in list(vars(m).values()) if isinstance(v, Primitive)}
+
+
+def test_every_key_is_a_primitive_of_jax():
+    real = _real_names()
+    assert {"dot_general", "split", "random_wrap", "scan"} <= real
+    unknown = set(primitives.PRIMITIVES) - real
+    known = primitives.OLD_NAMES | primitives.PSEUDO
+    assert unknown <= known, sorted(unknown - known)
+
+
+def test_unknown_primitives_get_the_default():
+    info = primitives.info("shardplan_test_unknown")
+    assert info == primitives.DEFAULT
+    assert info.family == "replicated" and not info.fusible and not info.leader
+    assert primitives.flops("shardplan_test_unknown", [(4, 8)], [(4, 8), (2,)], {}) == 34.0
+
+
+def test_control_flow_counts_its_bodies():
+    def f(x):
+        return lax.scan(lambda c, r: (c * r + 1.0, None), x[0], x)[0]
+
+    (node,) = lift(jax.make_jaxpr(f)(X)).nodes[-1:]
+    assert node.primitive == "scan" and primitives.info("scan").flops is None
+    assert node.flops == 16 * 2 * 32
+
+
+@pytest.fixture(scope="module")
+def zoo_primitives() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for name in models.list_models():
+        step = models.get_model(name, abstract=True)
+        for e in _equations(jax.make_jaxpr(step.fn)(*step.args).jaxpr):
+            found.setdefault(e.primitive.name, set()).add(name)
+    return found
+
+
+def test_every_primitive_of_the_zoo_has_an_entry(zoo_primitives):
+    assert {"dot_general", "conv_general_dilated", "random_bits"} <= set(zoo_primitives)
+    missing = {p: sorted(m) for p, m in zoo_primitives.items() if p not in primitives.PRIMITIVES}
+    assert not missing, f"no entry in shardplan/ir/primitives.py for {missing}"
