@@ -12,7 +12,7 @@ from jax.extend.core import primitives as public_primitives
 
 from shardplan import _compat, models
 from shardplan.ir import primitives
-from shardplan.ir.lift import lift
+from shardplan.ir.lift import LiftOptions, lift
 
 F32 = jnp.float32
 X = jax.ShapeDtypeStruct((16, 32), F32)
@@ -160,9 +160,11 @@ def test_control_flow_counts_its_bodies():
     def f(x):
         return lax.scan(lambda c, r: (c * r + 1.0, None), x[0], x)[0]
 
-    (node,) = lift(jax.make_jaxpr(f)(X)).nodes[-1:]
+    closed = jax.make_jaxpr(f)(X)
+    (node,) = lift(closed, options=LiftOptions(loops=False)).nodes[-1:]
     assert node.primitive == "scan" and primitives.info("scan").flops is None
     assert node.flops == 16 * 2 * 32
+    assert lift(closed).flops == 16 * 2 * 32  # inlined: the body's nodes run 16 times
 
 
 @pytest.fixture(scope="module")
