@@ -3,7 +3,8 @@
 from shardplan.api import AutoStep, auto, search
 from shardplan.grad import grad, stage_boundary, value_and_grad
 from shardplan.intra.ilp import InfeasibleMemory
+from shardplan.options import SearchOptions
 from shardplan.plan import Estimate, Plan, load_plan
 
-__all__ = ["AutoStep", "Estimate", "InfeasibleMemory", "Plan", "auto", "grad", "load_plan",
-           "search", "stage_boundary", "value_and_grad"]
+__all__ = ["AutoStep", "Estimate", "InfeasibleMemory", "Plan", "SearchOptions", "auto", "grad",
+           "load_plan", "search", "stage_boundary", "value_and_grad"]
