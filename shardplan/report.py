@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from shardplan import timeline
 from shardplan.analysis.price import PricedStep
+from shardplan.options import DEFAULTS
 from shardplan.plan import Plan
 from shardplan.units import fmt_bytes, fmt_seconds
 
@@ -57,7 +58,7 @@ class Run:
     search_s: float = 0.0
     """Wall-clock seconds of planning (all meshes)."""
     compile_s: float = 0.0
-    schedule: str = "1f1b"
+    schedule: str = DEFAULTS.schedule
     num_micro_batches: int = 1
     notes: tuple[str, ...] = ()
 

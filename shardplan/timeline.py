@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 
 from shardplan.inter.schedule import simulate, split_stage_time
+from shardplan.options import DEFAULTS
 from shardplan.plan import Plan
 
 
@@ -72,7 +73,7 @@ def draw_plan(plan: Plan, path, title: str | None = None) -> str:
     if not plan.stages:
         raise ValueError("this plan has no pipeline stages to draw")
     return draw_timeline([s.estimate.total_s for s in plan.stages], plan.num_micro_batches,
-                         plan.schedule or "1f1b", path, title)
+                         plan.schedule or DEFAULTS.schedule, path, title)
 
 
 def draw_pipeline(pipeline, path) -> str:

@@ -50,6 +50,29 @@ def split_update(split: SplitStep, diff_home: Sequence[int], num_stages: int) ->
     couplings are an error that says so.
     """
     g = split.update
+    dep, frontier = _dependencies(split, diff_home)
+    none: frozenset[int] = frozenset()
+    last = num_stages - 1
+    output_stage = [next(iter(dep.get(v, none)), last) for v in g.outputs]
+    reduce, apply = [], []
+    for s in range(num_stages):
+        targets = sorted(v for v in frontier if dep[v] == frozenset([s]))
+        reduce.append(update_slice(g, targets, set()))
+        outs = [v for v, t in zip(g.outputs, output_stage) if t == s]
+        apply.append(update_slice(g, list(dict.fromkeys(outs)), frontier))
+    readers: dict[int, set[int]] = collections.defaultdict(set)
+    for s, part in enumerate(reduce + apply):
+        for v in part.inputs:
+            readers[v].add(s % num_stages)
+    return UpdateSplit(tuple(reduce), tuple(apply), tuple(output_stage),
+                       {v: tuple(sorted(r)) for v, r in sorted(readers.items())})
+
+
+def _dependencies(split: SplitStep, diff_home: Sequence[int]
+                  ) -> tuple[dict[int, frozenset[int]], set[int]]:
+    """(value -> the stages it depends on, empty for shared values; the single-stage partials
+    combined into shared values), checking that couplings are small and one round deep."""
+    g = split.update
     pos = split.update_inputs()
     home: dict[int, int] = {}
     for k, s in enumerate(diff_home):
@@ -91,20 +114,7 @@ def split_update(split: SplitStep, diff_home: Sequence[int], num_stages: int) ->
                 "the update combines values across stages twice in a row (a reduction over "
                 "the result of another); shardplan exchanges one round of partial sums: "
                 "simplify the update or plan without pipeline stages (pipeline=False)")
-    last = num_stages - 1
-    output_stage = [next(iter(dep.get(v, none)), last) for v in g.outputs]
-    reduce, apply = [], []
-    for s in range(num_stages):
-        targets = sorted(v for v in frontier if dep[v] == frozenset([s]))
-        reduce.append(update_slice(g, targets, set()))
-        outs = [v for v, t in zip(g.outputs, output_stage) if t == s]
-        apply.append(update_slice(g, list(dict.fromkeys(outs)), frontier))
-    readers: dict[int, set[int]] = collections.defaultdict(set)
-    for s, part in enumerate(reduce + apply):
-        for v in part.inputs:
-            readers[v].add(s % num_stages)
-    return UpdateSplit(tuple(reduce), tuple(apply), tuple(output_stage),
-                       {v: tuple(sorted(r)) for v, r in sorted(readers.items())})
+    return dep, frontier
 
 
 def update_slice(g: Graph, targets: Sequence[int], stop: set[int]) -> UpdatePart:
