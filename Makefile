@@ -13,9 +13,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 test-all: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 2 tests
 
 demo: $(STAMP)
@@ -26,6 +28,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shardplan tests
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) demo-out bench-out .pytest_cache

@@ -8,7 +8,7 @@ the time planning took.
 The model is the zoo's GPT with a shardplan.stage_boundary after every block but the last,
 so the layers are the blocks (the embedding rides with the first, the head with the last).
 Pure intra-op is shown two ways: the full-step ILP on the whole mesh
-(shardplan.api._plan_traced, what shardplan.inter.planner.choose compares with; minutes on
+(shardplan.search.plan_step, what shardplan.search.choose compares with; minutes on
 8x8, skip it with --no-full-ilp), and costed like the stages (the sum of the layers' ILPs on
 the whole mesh, the whole batch at once).
 """
@@ -29,10 +29,15 @@ import optax
 
 from shardplan.cost.hardware import get_profile
 from shardplan.grad import stage_boundary, value_and_grad
-from shardplan.inter import planner
+from shardplan.inter import planner, stage_io
 from shardplan.inter import split as sp
+from shardplan.inter import tables as tables_mod
+from shardplan.inter.submesh import STAGE_AXES
 from shardplan.intra.planner import IntraOptions
+from shardplan.ir.trace import trace
 from shardplan.models import base, get_config, layers
+from shardplan.options import SearchOptions
+from shardplan.search import plan_step
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import fmt_seconds
 
@@ -91,9 +96,9 @@ def intra_by_layers(step, args, hw, shape) -> float:
     """Pure intra-op on the whole mesh, costed like a stage: one micro-batch, summed layer ILPs,
     plus the update."""
     s = sp.split_step(step, args, num_micro_batches=1)
-    cluster = planner.Cluster.of(MeshShape(planner.STAGE_AXES, shape), hw)
-    cache = planner.CostTables(hw, cluster, IntraOptions())
-    tables = planner.build_tables(s, sp.layer_groups(s), cache, hw, hw.memory_bytes,
+    cluster = tables_mod.Cluster.of(MeshShape(STAGE_AXES, shape), hw)
+    cache = tables_mod.CostTables(hw, cluster, IntraOptions())
+    tables = tables_mod.build_tables(s, stage_io.layer_groups(s), cache, hw, hw.memory_bytes,
                                   shapes=[shape])
     m = tables.shapes.index(shape)
     L = len(tables.layers)
@@ -105,40 +110,37 @@ def run(size: str, batch: int, micro: int, dtype: str, which, full_ilp: bool) ->
     rows = []
     for name in which:
         hw, shape = clusters()[name]
-        mesh = MeshShape(planner.STAGE_AXES, shape)
+        mesh = MeshShape(STAGE_AXES, shape)
         t0 = time.perf_counter()
-        pp = planner.plan_pipeline(step, args, mesh, hw, num_micro_batches=micro)
+        pp = planner.plan_pipeline(step, args, mesh, hw, SearchOptions(num_micro_batches=micro))
         plan_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         intra = intra_by_layers(step, args, hw, shape)
         intra_s = time.perf_counter() - t0
         full, full_s = None, None
         if full_ilp:
-            from shardplan import api
-            from shardplan.ir.trace import trace
-
             t0 = time.perf_counter()
-            full = api._plan_traced(trace(step, args), mesh, hw, api.Options())[0]
+            full = plan_step(trace(step, args), mesh, hw)[0]
             full, full_s = full.estimate.total_s, time.perf_counter() - t0
         # uniform splits from the same tables (the planner's session is rebuilt cheaply)
         s = pp.split
-        cluster = planner.Cluster.of(mesh, hw)
-        cache = planner.CostTables(hw, cluster, IntraOptions())
+        cluster = tables_mod.Cluster.of(mesh, hw)
+        cache = tables_mod.CostTables(hw, cluster, IntraOptions())
         uniform = {}
         for k in (2, 4, 8, 16):
             sh = planner.equal_shape(cluster, k)
             if sh is None or k > len(s.body):
                 continue
-            tables = planner.build_tables(s, sp.layer_groups(s), cache, hw, hw.memory_bytes,
+            tables = tables_mod.build_tables(s, stage_io.layer_groups(s), cache, hw, hw.memory_bytes,
                                           shapes=[sh])
-            c = planner.uniform_candidate(tables, cluster, k, hw)
+            c = planner.uniform_option(tables, cluster, k, hw)
             if c is not None:
                 uniform[k] = c.total_s
-        stages = "+".join("x".join(map(str, st.submesh_shape)) for st in pp.plan.stages)
+        stages = "+".join("x".join(map(str, st.submesh_shape)) for st in pp.stages)
         rows.append({"cluster": name, "model": f"gpt-{size} b={batch} {dtype}",
                      "plan": f"{pp.num_stages} st ({stages}), B={pp.num_micro_batches}",
                      "planned": pp.chosen.total_s, "intra": intra, "full_ilp": full,
-                     "uniform": uniform, "bubble": pp.plan.estimate.bubble_fraction,
+                     "uniform": uniform, "bubble": pp.estimate.bubble_fraction,
                      "plan_s": plan_s, "intra_s": intra_s, "full_s": full_s,
                      "explain": pp.explain()})
     return rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 from jax.extend import core as jcore
+from jax.sharding import AxisType, Mesh
 
 ClosedJaxpr = jcore.ClosedJaxpr
 Jaxpr = jcore.Jaxpr
@@ -41,8 +42,6 @@ def bind_eqn(eqn, invals):
 
 def auto_mesh(mesh):
     """The same devices and axis names as `mesh`, with every axis of type Auto."""
-    from jax.sharding import AxisType, Mesh
-
     types = getattr(mesh, "axis_types", None)
     if types is not None and all(t == AxisType.Auto for t in types):
         return mesh

@@ -1,51 +1,32 @@
-"""auto() and search(): trace -> plan -> emit, and the plan cache."""
+"""auto() and search(), the public entry points: trace -> plan (shardplan.search, measured by
+shardplan.measure) -> emit, and the plan cache."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import re
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from shardplan import _compat
+from shardplan import _compat, measure
 from shardplan.cost.hardware import HardwareProfile, get_profile
-from shardplan.cost.model import AlphaBetaCost
 from shardplan.emit.jit import emit_jit
-from shardplan.intra.planner import IntraOptions, IntraPlan, plan_intra
+from shardplan.emit.pipeline import emit_pipeline
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
-from shardplan.plan import OpRow, Plan
+from shardplan.options import DEFAULTS, SearchOptions
+from shardplan.plan import Plan, load_plan
+from shardplan.search import choose
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
-from shardplan.units import parse_bytes
 
 DEFAULT_PROFILE = {"tpu": "tpu-v4", "gpu": "a100-80gb", "cuda": "a100-80gb", "rocm": "a100-80gb",
                    "cpu": "cpu"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """What auto() and search() take besides the step."""
-
-    memory_budget: int | None = None
-    donate_argnums: tuple[int, ...] = ()
-    state_argnums: tuple[int, ...] | None = None
-    batch_argnums: tuple[int, ...] | None = None
-    hardware: str | HardwareProfile | None = None
-    time_limit: float = 30.0
-    seed: int = 0
-    workers: int = 1
-    pipeline: bool | str = False
-    num_micro_batches: int | None = None
-    num_stages: int | None = None
-    schedule: str = "1f1b"
-    measure: bool = False
 
 
 def _profile(hardware, backend: str) -> HardwareProfile:
@@ -59,70 +40,26 @@ def _signature(args) -> tuple:
     return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves)
 
 
-def _plan_traced(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile, options: Options,
-                 device_mesh=None, device_order=None) -> tuple[Plan, object, IntraPlan]:
-    start = time.perf_counter()
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    cost = AlphaBetaCost(mesh_shape, hw, device_order)
-    budget = options.memory_budget
-
-    def plan_for(ilp_budget) -> tuple[Plan, IntraPlan]:
-        intra = plan_intra(graph, mesh_shape, cost, IntraOptions(
-            memory_budget=ilp_budget, time_limit_s=options.time_limit, seed=options.seed,
-            workers=options.workers))
-        ops = []
-        for node in graph.nodes:
-            s = intra.node_strategies[node.id]
-            c, k = cost.node_time(graph, node, s)
-            ops.append(OpRow(node.primitive, node.name, s.name, c, k))
-        plan = Plan(
-            mesh=mesh_shape, hardware=hw.name,
-            input_names=traced.arg_info.input_names, input_specs=intra.input_specs,
-            output_names=traced.arg_info.output_names, output_specs=intra.output_specs,
-            constraints={v: intra.value_specs[v] for v in sorted(intra.constrained)},
-            estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
-            memory_budget=budget, ops=tuple(ops),
-            search_s=time.perf_counter() - start, notes=intra.notes,
-            solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, "
-                   f"{intra.num_choices} choices",
-            in_tree=traced.in_tree, out_tree=traced.out_tree, device_mesh=device_mesh)
-        return plan, intra
-
-    plan, intra = plan_for(budget)
-    if options.measure:
-        from shardplan import measure
-
-        mesh = device_mesh if device_mesh is not None else _compile_mesh(mesh_shape)
-        plan, _ = measure.select(graph, traced, plan, mesh, hw, memory_budget=budget,
-                                 donate_argnums=traced.state_argnums,
-                                 replan=lambda b: plan_for(b)[0])
-        plan = dataclasses.replace(plan, search_s=time.perf_counter() - start,
-                                   device_mesh=device_mesh)
-    return plan, graph, intra
-
-
-def _compile_mesh(mesh_shape: MeshShape):
-    """A mesh of CPU devices standing in for the cluster, to compile candidates on."""
-    devices = jax.devices("cpu")
-    n = mesh_shape.num_devices
-    if len(devices) < n:
-        raise ValueError(
-            f"measure=True compiles the candidate plans on {n} CPU devices standing in for the "
-            f"cluster, and JAX runs {len(devices)}: call "
-            f"jax.config.update('jax_num_cpu_devices', {n}) before JAX first touches a device, "
-            "or pass measure=False")
-    return jax.sharding.Mesh(np.asarray(devices[:n]).reshape(mesh_shape.sizes), mesh_shape.names,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_shape.sizes))
+def _options(options: SearchOptions | None, search_options: dict) -> SearchOptions:
+    if options is not None and search_options:
+        raise TypeError(f"pass options=SearchOptions(...) or the options by keyword "
+                        f"({', '.join(sorted(search_options))}), not both")
+    return options if options is not None else SearchOptions.make(**search_options)
 
 
 class AutoStep:
-    """A train step planned on first call for each input signature, then run as one jit."""
+    """A train step planned on first call for each input signature, then run as one jit (or as
+    a pipeline of programs, one per stage)."""
 
-    def __init__(self, fn, mesh=None, options: Options = Options(), plan: Plan | None = None):
+    def __init__(self, fn, mesh=None, options: SearchOptions = DEFAULTS,
+                 plan: Plan | None = None, hardware: str | HardwareProfile | None = None,
+                 donate_argnums: tuple[int, ...] = ()):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._mesh = mesh
         self.options = options
+        self.hardware = hardware
+        self.donate_argnums = tuple(donate_argnums)
         self._given_plan = plan
         self._cache: dict[tuple, tuple[Plan, Any]] = {}
 
@@ -136,35 +73,31 @@ class AutoStep:
     def _entry(self, args) -> tuple[Plan, Any]:
         key = _signature(args)
         if key not in self._cache:
-            mesh = self.mesh
-            traced = trace(self.fn, args, self.options.state_argnums, self.options.batch_argnums)
-            backend = mesh.devices.flat[0].platform
-            hw = _profile(self.options.hardware, backend)
-            order = [d.id for d in mesh.devices.flat]
-            if self._given_plan is not None:
-                plan, graph = _adopt(self._given_plan, traced, mesh)
-            elif self.options.pipeline is not False:
-                from shardplan.inter import planner as inter_planner
-
-                o = self.options
-                choice = inter_planner.choose(
-                    self.fn, args, mesh, hw, o.pipeline, num_stages=o.num_stages,
-                    num_micro_batches=o.num_micro_batches, schedule=o.schedule,
-                    memory_budget=o.memory_budget, state_argnums=o.state_argnums,
-                    batch_argnums=o.batch_argnums, time_limit=o.time_limit, seed=o.seed,
-                    workers=o.workers, traced=traced)
-                if choice.pipelined:
-                    self._cache[key] = (choice.plan, choice.pipeline.run)
-                    return self._cache[key]
-                plan, graph = dataclasses.replace(choice.plan, device_mesh=mesh), choice.intra_graph
-            else:
-                plan, graph, _ = _plan_traced(traced, MeshShape.of(mesh), hw, self.options,
-                                              device_mesh=mesh, device_order=order)
-            jitted, _, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
-                                    plan.input_specs, plan.output_specs, plan.constraints,
-                                    plan.operand_specs, self.options.donate_argnums)
-            self._cache[key] = (plan, jitted)
+            self._cache[key] = self._plan_and_emit(args)
         return self._cache[key]
+
+    def _plan_and_emit(self, args) -> tuple[Plan, Any]:
+        """Trace, plan (or adopt the given plan) and emit: (plan, the callable that runs it)."""
+        mesh, o = self.mesh, self.options
+        traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
+        hw = _profile(self.hardware, mesh.devices.flat[0].platform)
+        if self._given_plan is not None:
+            plan, graph = _adopt(self._given_plan, traced, mesh)
+        elif o.pipeline is not False:
+            choice = choose(self.fn, args, mesh, hw, o, traced=traced)
+            if choice.pipelined:
+                pp = choice.pipeline
+                return choice.plan, emit_pipeline(pp.split, pp.ios, pp.specs, pp.stages,
+                                                  pp.device_mesh, pp.schedule)
+            plan, graph = dataclasses.replace(choice.plan, device_mesh=mesh), choice.intra_graph
+        else:
+            plan, graph, _ = measure.plan_measured(traced, MeshShape.of(mesh), hw, o,
+                                                   device_mesh=mesh,
+                                                   device_order=[d.id for d in mesh.devices.flat])
+        jitted, _, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
+                                plan.input_specs, plan.output_specs, plan.constraints,
+                                plan.operand_specs, self.donate_argnums)
+        return plan, jitted
 
     def __call__(self, *args):
         _, jitted = self._entry(args)
@@ -195,12 +128,9 @@ def _adopt(plan: Plan, traced: TracedStep, mesh):
                                device_mesh=mesh), graph
 
 
-def auto(fn=None, *, mesh=None, memory_budget=None, donate_argnums: Sequence[int] = (),
-         state_argnums: Sequence[int] | None = None, batch_argnums: Sequence[int] | None = None,
-         hardware: str | HardwareProfile | None = None, time_limit: float = 30.0,
-         seed: int = 0, workers: int = 1, plan: Plan | str | None = None,
-         pipeline: bool | str = False, num_micro_batches: int | None = None,
-         num_stages: int | None = None, schedule: str = "1f1b", measure: bool = False):
+def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
+         donate_argnums: Sequence[int] = (), plan: Plan | str | None = None,
+         options: SearchOptions | None = None, **search_options):
     """Plan and run a single-device train step over a device mesh.
 
     Use bare (`@shardplan.auto`: all devices on one axis) or with options. The step is traced
@@ -209,41 +139,28 @@ def auto(fn=None, *, mesh=None, memory_budget=None, donate_argnums: Sequence[int
 
     Args:
       mesh: a jax.sharding.Mesh (Auto or Explicit axes); default all devices on one axis.
-      memory_budget: bytes per device (int) or a string like "16GiB"; default none.
-      donate_argnums: arguments whose buffers the step may reuse (usually the state).
-      state_argnums: which arguments are state; default those an output gives back.
       hardware: a profile name (see shardplan.cost.hardware.PROFILES) or HardwareProfile;
         default by the devices' platform.
+      donate_argnums: arguments whose buffers the step may reuse (usually the state).
       plan: a Plan (or a path to one saved with Plan.save) to run instead of planning.
-      pipeline: False (one program, intra-operator parallelism only), True (pipeline stages on
-        submeshes), or "auto" (stages only where the cost model says they pay). Pipelines need
-        the step's gradient taken with shardplan.value_and_grad / shardplan.grad.
-      num_micro_batches, num_stages, schedule ("1f1b" or "gpipe"): pipeline settings; by
-        default the planner chooses.
-      measure: also compile the searched plan and the expert plans (data parallel, FSDP,
-        Megatron) with XLA on the mesh, price each program with `hardware`, and keep the
-        cheapest that fits the budget (shardplan.measure); planning takes a few compiles
-        longer.
+      options: a shardplan.SearchOptions; or give its fields by keyword (`search_options`):
+        memory_budget (bytes per device, an int or a string like "16GiB"), state_argnums,
+        batch_argnums, time_limit, solver_seed, workers, measure (also compile the searched
+        plan and the expert plans with XLA on the mesh, price each with `hardware` and keep
+        the cheapest that fits), pipeline (False: one program; True: pipeline stages on
+        submeshes; "auto": stages only where the cost model says they pay; pipelines need
+        the step's gradient taken with shardplan.value_and_grad / shardplan.grad),
+        num_micro_batches, num_stages, num_layers, schedule ("1f1b" or "gpipe").
     """
     if isinstance(plan, str):
-        from shardplan.plan import load_plan
-
         plan = load_plan(plan)
-    if pipeline not in ("auto", True, False):
-        raise ValueError(f"pipeline={pipeline!r}: use 'auto', True or False")
-    if schedule not in ("1f1b", "gpipe"):
-        raise ValueError(f"schedule={schedule!r}: use '1f1b' or 'gpipe'")
-    options = Options(parse_bytes(memory_budget), tuple(donate_argnums),
-                      None if state_argnums is None else tuple(state_argnums),
-                      None if batch_argnums is None else tuple(batch_argnums),
-                      hardware, float(time_limit), int(seed), int(workers),
-                      pipeline, num_micro_batches, num_stages, schedule, bool(measure))
+    options = _options(options, search_options)
     if fn is None:
-        return lambda f: AutoStep(f, mesh, options, plan)
+        return lambda f: AutoStep(f, mesh, options, plan, hardware, tuple(donate_argnums))
     if not callable(fn):
         raise TypeError(f"shardplan.auto takes a function to plan, got {type(fn).__name__}; "
                         "pass options by keyword: shardplan.auto(step, mesh=mesh)")
-    return AutoStep(fn, mesh, options, plan)
+    return AutoStep(fn, mesh, options, plan, hardware, tuple(donate_argnums))
 
 
 def coverage(fn, *args, state_argnums: Sequence[int] | None = None,
@@ -270,18 +187,21 @@ def parse_cluster(cluster: str) -> tuple[HardwareProfile, int | None]:
 
 def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
            mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None,
-           num_devices: int | None = None, memory_budget=None,
-           state_argnums: Sequence[int] | None = None, batch_argnums: Sequence[int] | None = None,
-           time_limit: float = 30.0, seed: int = 0, workers: int = 1,
-           measure: bool = False) -> Plan:
+           num_devices: int | None = None, options: SearchOptions | None = None,
+           **search_options) -> Plan:
     """Plan a step for a cluster without devices: args may be ShapeDtypeStructs.
 
     `cluster` is a hardware profile name, optionally with a device count ("tpu-v4-32"), or a
     HardwareProfile; the mesh is `mesh_shape` (with `axis_names`) or all devices on one axis.
-    With `measure=True` the searched plan and the expert plans are compiled by XLA on CPU
-    devices standing in for the cluster, priced with the profile, and the cheapest that fits
-    is kept (JAX must run as many CPU devices as the mesh has).
+    `options` (or its fields by keyword) as for shardplan.auto; one program is planned
+    (pipeline=False). With `measure=True` the searched plan and the expert plans are compiled
+    by XLA on CPU devices standing in for the cluster, priced with the profile, and the
+    cheapest that fits is kept (JAX must run as many CPU devices as the mesh has).
     """
+    options = _options(options, search_options)
+    if options.pipeline is not False:
+        raise ValueError("shardplan.search plans one program: pipeline stages are planned by "
+                         "shardplan.auto(..., pipeline=...) on a mesh; pass pipeline=False")
     if isinstance(cluster, HardwareProfile):
         hw, n = cluster, None
     else:
@@ -297,10 +217,6 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
                                                   tuple(f"axis{i}" for i in range(len(mesh_shape))))
     if len(names) != len(mesh_shape):
         raise ValueError(f"axis_names {names} and mesh_shape {mesh_shape} differ in length")
-    budget = parse_bytes(memory_budget)
-    options = Options(budget, (), None if state_argnums is None else tuple(state_argnums),
-                      None if batch_argnums is None else tuple(batch_argnums), hw,
-                      float(time_limit), int(seed), int(workers), measure=bool(measure))
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
-    plan, _, _ = _plan_traced(traced, MeshShape(names, mesh_shape), hw, options)
+    plan, _, _ = measure.plan_measured(traced, MeshShape(names, mesh_shape), hw, options)
     return plan

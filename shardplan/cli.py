@@ -6,8 +6,9 @@
 
 Planning needs no devices. To compare the plan with the hand-written baselines fairly, both are
 compiled by XLA on CPU devices standing in for the cluster (as many as the mesh has, at most
-64; JAX is told how many before its backend starts, so jax is imported lazily) and priced with
-the config's hardware profile (shardplan/analysis/price.py).
+64; JAX is told how many before its backend starts, which importing jax does not do) and priced
+with the config's hardware profile (shardplan/analysis/price.py). What is printed and written
+is shardplan.cli_render.
 
 Exit codes: 0 planned; 2 bad config or arguments; 3 no plan fits the memory budget.
 """
@@ -18,16 +19,25 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
-import inspect
+import json
 import os
 import sys
 import time
-import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import jax
+
+import shardplan
+from shardplan import baselines as bl
+from shardplan import bench, models, report
+from shardplan.cli_render import Phases, consoles, print_bench, print_run, write_outputs
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError, load_config
-from shardplan.measure import compile_for_analysis
+from shardplan.ir.trace import abstractify
+from shardplan.measure import compile_and_price as price_program
+from shardplan.measure import cpu_mesh
+from shardplan.plan import load_plan
+from shardplan.units import fmt_bytes
 
 EXIT_OK, EXIT_USAGE, EXIT_INFEASIBLE = 0, 2, 3
 
@@ -38,46 +48,6 @@ class Infeasible(Exception):
     def __init__(self, message: str, min_bytes: float):
         super().__init__(message)
         self.min_bytes = min_bytes
-
-
-# -- progress -------------------------------------------------------------------------------
-
-
-class Phases:
-    """A spinner naming the running phase with its elapsed time; each finished phase is logged
-    with its time (planning a large model takes minutes: the user sees which phase it is in)."""
-
-    def __init__(self, console):
-        self.console = console
-
-    @contextlib.contextmanager
-    def __call__(self, text: str):
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-        start = time.perf_counter()
-        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-        live = self.console.is_terminal
-        try:
-            with (Progress(*columns, console=self.console, transient=True) if live
-                  else contextlib.nullcontext()) as progress:
-                if live:
-                    progress.add_task(text, total=None)
-                else:
-                    self.console.print(f"{text} ...")
-                yield
-        except BaseException:
-            self.console.print(f"[red]x[/red] {text} (failed after "
-                               f"{time.perf_counter() - start:.1f} s)")
-            raise
-        self.console.print(f"[green]done[/green] {text} ({time.perf_counter() - start:.1f} s)")
-
-
-def _consoles(quiet: bool = False):
-    from rich.console import Console
-
-    out = Console(width=None if sys.stdout.isatty() else 200)  # logs: no wrapped tables
-    err = Console(stderr=True, quiet=quiet)
-    return out, err
 
 
 # -- the workload ---------------------------------------------------------------------------
@@ -100,32 +70,16 @@ class Workload:
 
 def build_workload(config: Config) -> Workload:
     """The config's train step with ShapeDtypeStruct args (nothing allocated)."""
-    import jax
-
-    from shardplan.ir.trace import abstractify
-    from shardplan.models import base as models_base
-
     m = config.model
     if m.name is not None:
-        from shardplan import models
-
         try:
             step = models.get_model(m.name, m.size, abstract=True, batch_size=m.batch_size,
                                     **m.zoo_overrides())
         except (ValueError, TypeError) as e:
             raise ConfigError("model", f"cannot build {m.label}: {e}", config.source) from None
     else:
-        module, _, attr = m.entry.partition(":")
-        try:
-            obj = importlib.import_module(module)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError("model.entry", f"cannot load {m.entry!r}: {e}; it must name a "
-                              "function importable from the current directory or PYTHONPATH",
-                              config.source) from None
-        step = obj(**m.kwargs)
-    if isinstance(step, models_base.TrainStep):
+        step = load_entry(m.entry, config.source)(**m.kwargs)
+    if isinstance(step, models.TrainStep):
         args = jax.tree.map(abstractify, step.args)
         dtype = m.dtype or str(getattr(step.config, "dtype", None) or "float32")
         step = dataclasses.replace(step, args=args)
@@ -140,79 +94,76 @@ def build_workload(config: Config) -> Workload:
                       "shardplan.models.TrainStep or a (fn, args) tuple", config.source)
 
 
+@contextlib.contextmanager
+def _importable_from(directories: Sequence[str]) -> Iterator[None]:
+    """`directories` on sys.path (first) while the block runs."""
+    added = [d for d in dict.fromkeys(directories) if d not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for d in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(d)
+
+
+def load_entry(entry: str, source: str | None = None):
+    """The object named by "package.module:function", imported from the current directory, the
+    config file's directory (`source`'s), or sys.path (a console script's sys.path holds
+    neither directory)."""
+    module, _, attr = entry.partition(":")
+    where = [os.getcwd()] + ([os.path.dirname(os.path.abspath(source))] if source else [])
+    try:
+        with _importable_from(where):
+            obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError("model.entry", f"cannot load {entry!r}: {e}; it must name a function "
+                          "importable from the current directory, the config's directory or "
+                          "PYTHONPATH", source) from None
+    return obj
+
+
 # -- devices --------------------------------------------------------------------------------
 
 
 def init_cpu_devices(n: int) -> int:
     """Ask JAX for at least n CPU devices (before its backend starts); returns how many exist."""
-    import jax
-
     current = jax.config.jax_num_cpu_devices
     with contextlib.suppress(RuntimeError):  # the backend is up already: keep what it has
         jax.config.update("jax_num_cpu_devices", max(n, current))
     return len(jax.devices("cpu"))
 
 
-def cpu_mesh(names: Sequence[str], sizes: Sequence[int]):
-    """An Auto-axes mesh over the first CPU devices."""
-    import math
-
-    import jax
-    import numpy as np
-
-    devices = jax.devices("cpu")[: math.prod(sizes)]
-    return jax.sharding.Mesh(np.asarray(devices).reshape(tuple(sizes)), tuple(names),
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
-
-
-def _device_grid(mesh):
-    import numpy as np
-
-    return np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
-
-
 # -- search ---------------------------------------------------------------------------------
 
 
-def _search_kwargs(config: Config) -> dict:
-    """Options for shardplan.search; pipeline options only once search takes them."""
-    import shardplan
-
-    s = config.search
-    kwargs: dict[str, Any] = {"time_limit": s.time_limit, "seed": s.seed, "workers": s.workers}
-    accepted = inspect.signature(shardplan.search).parameters
-    for key in ("pipeline", "num_micro_batches", "schedule"):
-        if key in accepted:
-            kwargs[key] = getattr(s, key)
-    if s.measure:
-        import jax
-
-        n = config.cluster.mesh.num_devices
-        kwargs["measure"] = n <= MAX_COMPILE_DEVICES and len(jax.devices("cpu")) >= n
-    return kwargs
+def search_options(config: Config, work: Workload, notes: list[str]):
+    """The config's SearchOptions for shardplan.search (one program: pipeline planning is not
+    offered by the CLI yet), measuring only where the CPU devices to compile on exist."""
+    options = config.search_options()
+    if options.pipeline is True or config.search.num_micro_batches > 1:
+        notes.append("search.pipeline / num_micro_batches are not used yet: shardplan.search "
+                     "plans intra-operator parallelism only in this version")
+    n = config.cluster.mesh.num_devices
+    measure = options.measure and n <= MAX_COMPILE_DEVICES and len(jax.devices("cpu")) >= n
+    return options.replace(pipeline=False, num_micro_batches=None, measure=measure,
+                           state_argnums=work.state_argnums, batch_argnums=work.batch_argnums)
 
 
 def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]):
     """Plan every candidate mesh, keep the cheapest: (plan, {mesh: estimate or why not})."""
-    import shardplan
-    from shardplan.units import fmt_bytes
-
     hw, budget = config.profile(), config.budget_bytes()
-    kwargs = _search_kwargs(config)
-    s = config.search
-    if (s.pipeline is True or s.num_micro_batches > 1) and "pipeline" not in kwargs:
-        notes.append("search.pipeline / num_micro_batches are not used yet: shardplan.search "
-                     "plans intra-operator parallelism only in this version")
+    options = search_options(config, work, notes)
     best, tried, infeasible = None, {}, []
     for names, sizes in config.cluster.mesh.candidates():
         label = " x ".join(f"{n}={k}" for n, k in zip(names, sizes))
-        how = "trace, strategies, ILP" + (", compiling candidates" if kwargs.get("measure") else "")
+        how = "trace, strategies, ILP" + (", compiling candidates" if options.measure else "")
         with phases(f"planning {work.label} on mesh {label} ({how})"):
             try:
-                plan = shardplan.search(
-                    work.fn, *work.args, cluster=hw, mesh_shape=sizes, axis_names=names,
-                    memory_budget=budget, state_argnums=work.state_argnums,
-                    batch_argnums=work.batch_argnums, **kwargs)
+                plan = shardplan.search(work.fn, *work.args, cluster=hw, mesh_shape=sizes,
+                                        axis_names=names, options=options)
             except shardplan.InfeasibleMemory as e:
                 infeasible.append(e)
                 tried[label] = f"no plan fits (needs {fmt_bytes(e.min_bytes)})"
@@ -230,17 +181,53 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
     return best, tried
 
 
+# -- compile and price ----------------------------------------------------------------------
+
+
+def _compile_plan(work: Workload, plan, mesh, hw, phases: Phases, notes: list[str]):
+    """The plan's program compiled and priced: (stats, priced), or (None, None) for a pipeline
+    plan, which is not one program."""
+    n = plan.mesh.num_devices
+    with phases(f"compiling the plan with XLA on {n} CPU devices"):
+        try:
+            step = shardplan.auto(work.fn, mesh=mesh, hardware=hw, plan=plan,
+                                  donate_argnums=tuple(work.state_argnums or ()),
+                                  state_argnums=work.state_argnums,
+                                  batch_argnums=work.batch_argnums)
+            return price_program(step.lower(*work.args), mesh, plan.mesh, hw, work.dtype)
+        except Exception as e:  # e.g. a pipeline plan that is not one program
+            if not plan.stages:
+                raise
+            notes.append(f"the pipeline plan was not compiled as one program ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]}); its row is the cost model's estimate")
+    return None, None
+
+
+def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: Phases,
+                       notes: list[str]) -> dict[str, Any]:
+    """{baseline: its program priced, or why not} for the baselines that apply."""
+    if work.step is None:
+        notes.append("baselines skipped: model.entry returned (fn, args), and the baselines "
+                     "need a TrainStep (which args are params, optimizer state and batch)")
+        return {}
+    results: dict[str, Any] = {}
+    for name in list(config.output.baselines or bl.applicable_baselines(work.step, mesh)):
+        with phases(f"compiling baseline {name}"):
+            try:
+                ins, outs = bl.baseline_shardings(name, work.step, mesh)
+                jitted = jax.jit(work.fn, in_shardings=ins, out_shardings=outs,
+                                 donate_argnums=tuple(work.state_argnums or ()))
+                _, results[name] = price_program(jitted.lower(*work.args), mesh, plan.mesh, hw,
+                                                 work.dtype)
+            except Exception as e:  # noqa: BLE001 - one failing baseline must not hide the others
+                results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return results
+
+
 def compile_and_price(config: Config, work: Workload, plan, phases: Phases, notes: list[str],
                       want_baselines: bool):
     """Compile the plan (and the baselines) on CPU devices, price each: (plan stats, priced
     plan, {baseline: priced or why not}, compile seconds)."""
-    import jax
-
-    import shardplan
-    from shardplan import baselines as bl
-    from shardplan.analysis import hlo
-    from shardplan.analysis.price import price
-
     hw = config.profile()
     n = plan.mesh.num_devices
     have = len(jax.devices("cpu"))
@@ -249,53 +236,15 @@ def compile_and_price(config: Config, work: Workload, plan, phases: Phases, note
                      "started before shardplan could ask for more)")
         return None, None, {}, 0.0
     start = time.perf_counter()
-    mesh = cpu_mesh(plan.mesh.names, plan.mesh.sizes)
-    grid = _device_grid(mesh)
-    donate = tuple(work.state_argnums or ())
-    stats = priced = None
-    with phases(f"compiling the plan with XLA on {n} CPU devices"):
-        try:
-            step = shardplan.auto(work.fn, mesh=mesh, hardware=hw, plan=plan,
-                                  donate_argnums=donate, state_argnums=work.state_argnums,
-                                  batch_argnums=work.batch_argnums)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # donation warnings of abstract args
-                stats = hlo.analyze(compile_for_analysis(step.lower(*work.args)))
-        except Exception as e:  # e.g. a pipeline plan that is not one program
-            if not plan.stages:
-                raise
-            notes.append(f"the pipeline plan was not compiled as one program ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:120]}); its row is the cost model's estimate")
-    if stats is not None:
-        priced = price(stats, plan.mesh, grid, hw, work.dtype)
-    results: dict[str, Any] = {}
-    if want_baselines:
-        if work.step is None:
-            notes.append("baselines skipped: model.entry returned (fn, args), and the baselines "
-                         "need a TrainStep (which args are params, optimizer state and batch)")
-            names = []
-        else:
-            names = list(config.output.baselines or bl.applicable_baselines(work.step, mesh))
-        for name in names:
-            with phases(f"compiling baseline {name}"):
-                try:
-                    ins, outs = bl.baseline_shardings(name, work.step, mesh)
-                    jitted = jax.jit(work.fn, in_shardings=ins, out_shardings=outs,
-                                     donate_argnums=donate)
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        b_stats = hlo.analyze(compile_for_analysis(jitted.lower(*work.args)))
-                except Exception as e:  # noqa: BLE001 - one failing baseline must not hide the others
-                    results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                    continue
-            results[name] = price(b_stats, plan.mesh, grid, hw, work.dtype)
+    mesh = cpu_mesh(plan.mesh)
+    stats, priced = _compile_plan(work, plan, mesh, hw, phases, notes)
+    results = (_compile_baselines(config, work, plan, mesh, hw, phases, notes)
+               if want_baselines else {})
     return stats, priced, results, time.perf_counter() - start
 
 
 def run_search(config: Config, *, verify: bool = False, phases: Phases):
     """Plan a config and compare it: a report.Run."""
-    from shardplan import report
-
     notes: list[str] = []
     with phases(f"building {config.model.label} (abstract inputs)"):
         work = build_workload(config)
@@ -331,89 +280,12 @@ def run_search(config: Config, *, verify: bool = False, phases: Phases):
         num_micro_batches=config.search.num_micro_batches, notes=tuple(notes))
 
 
-# -- printing -------------------------------------------------------------------------------
-
-
-def print_run(run, console) -> None:
-    """The plan's summary, its estimate against the budget, and the comparison table."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from shardplan import report
-    from shardplan.units import fmt_bytes, fmt_seconds
-
-    plan, e = run.plan, run.plan.estimate
-    console.print(f"[bold]{escape(run.label)}[/bold] on [bold]{run.hardware}[/bold], mesh "
-                  f"[bold]{run.mesh}[/bold] ({plan.mesh.num_devices} devices), "
-                  f"{run.num_params / 1e6:,.1f} M parameters, {run.dtype}")
-    if len(run.meshes) > 1:
-        tried = ", ".join(f"{m}: {fmt_seconds(t) if isinstance(t, float) else t}"
-                          for m, t in run.meshes.items())
-        console.print(f"meshes tried (estimated step): {tried}")
-    console.print(plan.summary(), markup=False, highlight=False)
-    fits = "fits" if run.fits(e.peak_bytes) else "DOES NOT FIT"
-    console.print(f"estimate: {fmt_seconds(e.total_s)} per step, peak {fmt_bytes(e.peak_bytes)} "
-                  f"per device against a budget of {fmt_bytes(run.budget)}: {fits}")
-    if run.priced_plan is not None or run.baselines:
-        t = Table(title=f"plan vs baselines: XLA-compiled on CPU devices, priced as {run.hardware}")
-        for c in report.COMPARISON_HEADER:
-            t.add_column(c, justify="left" if c == "program" else "right")
-        for row in report.comparison_rows(run):
-            t.add_row(*(escape(c) for c in row))
-        console.print(t)
-        if run.ratio() is not None:
-            console.print(run.ratio_text())
-    if run.verification is not None:
-        t = Table(title="predicted vs compiled (the plan)")
-        for c in ("quantity", "predicted", "compiled", "compiled / predicted"):
-            t.add_column(c)
-        for row in report.verification_rows(run.verification):
-            t.add_row(*row)
-        for kind, (count, sent) in run.verification.collectives.items():
-            t.add_row(f"  {kind} x{count}", "", fmt_bytes(sent), "")
-        console.print(t)
-    for note in run.notes:
-        console.print(f"note: {escape(note)}")
-
-
-def write_outputs(config: Config, run, out_dir: str) -> list[str]:
-    """plan.json (and comparison.json), report.md and its plots."""
-    import json
-
-    from shardplan import report
-
-    os.makedirs(out_dir, exist_ok=True)
-    formats = config.output.formats
-    written = []
-    if "json" in formats:
-        path = os.path.join(out_dir, "plan.json")
-        run.plan.save(path)
-        written.append(path)
-        path = os.path.join(out_dir, "comparison.json")
-        with open(path, "w") as f:
-            json.dump({
-                "config": config.model_dump(mode="json"), "hardware": run.hardware,
-                "budget": run.budget, "mesh": run.mesh, "search_s": run.search_s,
-                "estimate": run.plan.estimate.to_dict(),
-                "plan": run.priced_plan.to_dict() if run.priced_plan else None,
-                "baselines": {k: v if isinstance(v, str) else v.to_dict()
-                              for k, v in run.baselines.items()},
-                "ratio_plan_over_best_baseline": run.ratio(),
-                "best_baseline": (run.best_baseline() or [None])[0],
-                "best_baseline_fits": run.best_fits(), "meshes": dict(run.meshes),
-                "notes": list(run.notes),
-            }, f, indent=1)
-        written.append(path)
-    written += report.write_report(run, out_dir, formats)
-    return written
-
-
 # -- commands -------------------------------------------------------------------------------
 
 
 def cmd_search(args) -> int:
     config = load_config(args.config, args.set or ())
-    out, err = _consoles(args.quiet)
+    out, err = consoles(args.quiet)
     n = config.cluster.mesh.num_devices
     if n <= MAX_COMPILE_DEVICES and (config.output.compare or args.verify or config.search.measure):
         init_cpu_devices(n)
@@ -436,13 +308,8 @@ def _bench_configs(directory: str, overrides: Sequence[str]) -> list[tuple[str, 
 
 
 def cmd_bench(args) -> int:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from shardplan import report
-
     configs = _bench_configs(args.dir, args.set or ())  # every config is checked up front
-    out, err = _consoles(args.quiet)
+    out, err = consoles(args.quiet)
     sizes = [c.cluster.mesh.num_devices for _, c in configs]
     init_cpu_devices(min(MAX_COMPILE_DEVICES, max(sizes)))
     phases = Phases(err)
@@ -455,40 +322,27 @@ def cmd_bench(args) -> int:
         try:
             run = run_search(config, phases=phases)
         except Infeasible as e:
-            rows.append(report.BenchRow(name, None, config.model.label, mesh,
+            rows.append(bench.BenchRow(name, None, config.model.label, mesh,
                                         config.cluster.hardware, f"no plan fits: {e}",
                                         time.perf_counter() - start))
             continue
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - one failing config must not stop the others
-            rows.append(report.BenchRow(name, None, config.model.label, mesh,
+            rows.append(bench.BenchRow(name, None, config.model.label, mesh,
                                         config.cluster.hardware,
                                         f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
                                         time.perf_counter() - start))
             continue
         write_outputs(config, run, os.path.join(out_dir, name))
-        rows.append(report.BenchRow(name, run, seconds=time.perf_counter() - start))
-    md, csv_path = report.write_bench(rows, out_dir)
-    t = Table(title="shardplan bench: step time, plan vs baselines (XLA-compiled, priced)")
-    for c in report.BENCH_HEADER:
-        t.add_column(c)
-    for r in rows:
-        t.add_row(*(escape(c) for c in report.bench_cells(r)))
-    out.print(t)
-    ratios = [r.run.ratio() for r in rows if r.run is not None]
-    g = report.geomean([x for x in ratios if x])
-    if g is not None:
-        out.print(f"geometric mean of plan / best baseline: {g:.3f}")
+        rows.append(bench.BenchRow(name, run, seconds=time.perf_counter() - start))
+    md, csv_path = bench.write_bench(rows, out_dir)
+    print_bench(rows, out)
     out.print(f"wrote {md}, {csv_path}")
     return EXIT_OK
 
 
 def cmd_show(args) -> int:
-    import json
-
-    from shardplan.plan import load_plan
-
     if not os.path.isfile(args.plan):
         raise ConfigError(None, f"plan file {args.plan!r} does not exist")
     try:
@@ -496,7 +350,7 @@ def cmd_show(args) -> int:
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ConfigError(None, f"{args.plan} is not a plan saved by shardplan: "
                           f"{type(e).__name__}: {e}") from None
-    out, _ = _consoles()
+    out, _ = consoles()
     out.print(plan.summary(), markup=False, highlight=False)
     return EXIT_OK
 

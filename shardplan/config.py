@@ -3,7 +3,7 @@
     model:   {name: gpt, size: gpt2-124m, batch_size: 8}      # or {entry: "pkg.mod:fn"}
     cluster: {hardware: a100-80gb, mesh: {shape: [2, 4], axes: [data, model]},
               memory_budget: 40GiB}                           # or mesh: {devices: 8}
-    search:  {pipeline: auto, num_micro_batches: 1, schedule: 1f1b, time_limit: 30}
+    search:  {pipeline: auto, num_micro_batches: 1, schedule: 1f1b, time_limit: 30}  # SearchOptions
     output:  {dir: shardplan-out, formats: [json, md, png]}
 
 `load_config(path, ["model.size=gpt2-1.5b"])` reads a file, applies `--set` overrides (values
@@ -14,6 +14,7 @@ naming the dotted key and what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -21,8 +22,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import pydantic
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shardplan import models
+from shardplan.cost.hardware import HardwareProfile, get_profile
+from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.units import parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -154,19 +159,20 @@ class ClusterSection(_Section):
 
 
 class SearchSection(_Section):
-    """How to search."""
+    """How to search: the fields of shardplan.options.SearchOptions (defaults from there, but
+    for pipeline, num_micro_batches and measure, which the CLI sets otherwise)."""
 
     pipeline: bool | Literal["auto"] = "auto"
     """Split into pipeline stages: auto (when it pays), true (always) or false (never)."""
     num_micro_batches: int = Field(1, ge=1)
     """Micro-batches per step for a pipeline (the batch must divide)."""
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    schedule: Literal["1f1b", "gpipe"] = DEFAULTS.schedule
     """Pipeline schedule."""
-    time_limit: float = Field(30.0, gt=0)
+    time_limit: float = Field(DEFAULTS.time_limit, gt=0)
     """Seconds the ILP solver may take per mesh (it returns its best plan so far)."""
-    seed: int = 0
-    """Solver seed (plans are deterministic for a seed)."""
-    workers: int = Field(1, ge=1)
+    solver_seed: int = DEFAULTS.solver_seed
+    """The ILP solver's random seed (plans are deterministic for a seed)."""
+    workers: int = Field(DEFAULTS.workers, ge=1)
     """Solver threads (1 keeps plans deterministic)."""
     measure: bool = True
     """Compile the searched plan and the expert plans with XLA on CPU devices, price each
@@ -217,11 +223,17 @@ class Config(_Section):
             return int(self.cluster.memory_budget)
         return int(self.profile().memory_bytes)
 
-    def profile(self):
+    def profile(self) -> HardwareProfile:
         """The HardwareProfile of `cluster.hardware` (a path relative to the config's file)."""
-        from shardplan.cost.hardware import get_profile
-
         return get_profile(_resolve(self.cluster.hardware, self.source))
+
+    def search_options(self) -> SearchOptions:
+        """The search section and the memory budget as SearchOptions."""
+        s = self.search
+        return SearchOptions(memory_budget=self.budget_bytes(), time_limit=s.time_limit,
+                             solver_seed=s.solver_seed, workers=s.workers, pipeline=s.pipeline,
+                             num_micro_batches=s.num_micro_batches, schedule=s.schedule,
+                             measure=s.measure)
 
 
 def _resolve(hardware: str, source: str | None) -> str:
@@ -235,8 +247,6 @@ def _resolve(hardware: str, source: str | None) -> str:
 
 def apply_overrides(data: Mapping, overrides: Sequence[str]) -> dict:
     """A copy of `data` with each "dotted.key=value" set (value parsed as YAML)."""
-    import yaml
-
     out = _deep_copy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -272,8 +282,6 @@ def _deep_copy(x):
 
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
     """Read, override, validate: a Config, or a ConfigError naming the key."""
-    import yaml
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ConfigError(None, f"config file {path!r} does not exist")
@@ -358,8 +366,6 @@ def _check_domain(config: Config) -> None:
     """What the schema cannot know: zoo models, sizes and fields; hardware profiles."""
     m = config.model
     if m.name is not None:
-        from shardplan import models
-
         known = models.list_models()
         if m.name not in known:
             raise ConfigError("model.name", f"unknown model {m.name!r}; known: {', '.join(known)}")
@@ -367,8 +373,6 @@ def _check_domain(config: Config) -> None:
         if m.size.lower() not in sizes:
             raise ConfigError("model.size", f"model {m.name!r} has no size {m.size!r}; known "
                               f"sizes: {', '.join(sizes)}")
-        import dataclasses
-
         base = models.get_config(m.name, m.size)
         fields = sorted(f.name for f in dataclasses.fields(base))
         for key in ("batch_size", "seq_len", "dtype"):

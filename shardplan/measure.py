@@ -11,26 +11,36 @@ never slower than the expert plans it was compared with, as priced, whatever the
 wrong; the model still finds the plans no expert would write.
 
 An expert candidate is what an expert writes by hand: the input shardings of data parallel,
-FSDP or Megatron (`intra/seeds.py`, the same specs the ILP is seeded with) and nothing else,
+FSDP or Megatron (`intra/experts.py`, the same specs the ILP is seeded with) and nothing else,
 so XLA's sharding propagation chooses every intermediate.
+
+`plan_measured` is shardplan.search.plan_step followed by this selection.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from shardplan.analysis import hlo
 from shardplan.analysis.price import PricedStep, price
 from shardplan.cost.hardware import HardwareProfile
+from shardplan.emit.jit import emit_jit
+from shardplan.intra import experts
 from shardplan.intra.ilp import InfeasibleMemory
+from shardplan.intra.planner import IntraPlan
 from shardplan.ir.graph import Graph, Role
+from shardplan.ir.trace import TracedStep
+from shardplan.options import SearchOptions
 from shardplan.plan import Estimate, Plan
-from shardplan.strategies.spec import ShardSpec
+from shardplan.search import plan_graph, plan_step
+from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import fmt_bytes, fmt_seconds
 
 # Only the partitioned HLO, its buffer assignment and cost analysis are read from the
@@ -54,8 +64,8 @@ def compile_for_analysis(lowered):
 
 
 @dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One program compiled and priced: the plan, what XLA made of it, why it failed."""
+class MeasuredProgram:
+    """One plan's program compiled and priced: the plan, what XLA made of it, why it failed."""
 
     name: str
     plan: Plan
@@ -79,10 +89,8 @@ def compute_dtype(graph: Graph) -> str:
 def expert_plans(graph: Graph, plan: Plan) -> dict[str, Plan]:
     """The expert plans for this step as Plans: their input specs, state outputs tied to
     their inputs, the other outputs replicated, no constraint on any intermediate."""
-    from shardplan.intra import seeds
-
     out = {}
-    for name, fixed in seeds.seeds(graph, plan.mesh).items():
+    for name, fixed in experts.expert_inputs(graph, plan.mesh).items():
         inputs = tuple(fixed[i] for i in range(len(graph.inputs)))
         outputs = tuple(inputs[tie] if tie is not None else
                         ShardSpec.replicated(graph.values[v].ndim)
@@ -96,37 +104,59 @@ def expert_plans(graph: Graph, plan: Plan) -> dict[str, Plan]:
     return out
 
 
-def compile_plan(graph: Graph, traced, plan: Plan, mesh, donate_argnums: Sequence[int] = ()):
-    """The plan's step compiled by XLA on `mesh` (never run): a jax.stages.Compiled."""
-    import jax
+def cpu_mesh(mesh_shape: MeshShape) -> jax.sharding.Mesh:
+    """An Auto-axes mesh of CPU devices standing in for the cluster, to compile programs on."""
+    devices = jax.devices("cpu")
+    n = mesh_shape.num_devices
+    if len(devices) < n:
+        raise ValueError(
+            f"compiling for the cluster takes {n} CPU devices standing in for it, and JAX runs "
+            f"{len(devices)}: call jax.config.update('jax_num_cpu_devices', {n}) before JAX "
+            "first touches a device, or pass measure=False")
+    return jax.sharding.Mesh(np.asarray(devices[:n]).reshape(mesh_shape.sizes), mesh_shape.names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_shape.sizes))
 
-    from shardplan.emit.jit import emit_jit
 
+def device_grid(mesh) -> np.ndarray:
+    """The device ids of `mesh` in its shape (where each collective's links are)."""
+    return np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
+
+
+def compile_and_price(lowered, mesh, mesh_shape: MeshShape, hw: HardwareProfile, dtype: str
+                      ) -> tuple[hlo.ProgramStats, PricedStep]:
+    """A lowered program compiled by XLA on `mesh` (never run), analysed and priced as `hw`
+    runs it, compute at `dtype`'s peak."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # donating abstract args warns
+        stats = hlo.analyze(compile_for_analysis(lowered))
+    return stats, price(stats, mesh_shape, device_grid(mesh), hw, dtype)
+
+
+def lower_plan(graph: Graph, traced: TracedStep, plan: Plan, mesh,
+               donate_argnums: Sequence[int] = ()):
+    """The plan's step lowered on `mesh` for the traced (abstract) arguments."""
     jitted, _, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree, plan.input_specs,
                             plan.output_specs, plan.constraints, plan.operand_specs,
                             tuple(donate_argnums))
     args = jax.tree_util.tree_unflatten(traced.in_tree, list(traced.in_avals))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # donating abstract args warns
-        return compile_for_analysis(jitted.lower(*args))
+        return jitted.lower(*args)
 
 
-def device_grid(mesh) -> np.ndarray:
-    return np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
-
-
-def measure(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, name: str,
-            donate_argnums: Sequence[int] = (), dtype: str | None = None) -> Candidate:
+def measure(graph: Graph, traced: TracedStep, plan: Plan, mesh, hw: HardwareProfile, name: str,
+            donate_argnums: Sequence[int] = (), dtype: str | None = None) -> MeasuredProgram:
     """Compile and price one plan; a failure to compile is recorded, not raised."""
     try:
-        stats = hlo.analyze(compile_plan(graph, traced, plan, mesh, donate_argnums))
+        _, priced = compile_and_price(lower_plan(graph, traced, plan, mesh, donate_argnums),
+                                      mesh, plan.mesh, hw, dtype or compute_dtype(graph))
     except Exception as e:  # noqa: BLE001 - one candidate failing must not sink the others
-        return Candidate(name, plan, None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-    priced = price(stats, plan.mesh, device_grid(mesh), hw, dtype or compute_dtype(graph))
-    return Candidate(name, plan, priced)
+        return MeasuredProgram(name, plan, None,
+                               f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    return MeasuredProgram(name, plan, priced)
 
 
-def _measured_estimate(c: Candidate) -> Estimate:
+def _measured_estimate(c: MeasuredProgram) -> Estimate:
     p = c.priced
     return Estimate(p.compute_s, p.comm_s, p.peak_bytes, c.plan.estimate.state_bytes,
                     p.bytes_sent)
@@ -139,7 +169,8 @@ RECALIBRATIONS = 2
 def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
            memory_budget: float | None = None, donate_argnums: Sequence[int] = (),
            replan: Callable[[float], Plan] | None = None,
-           progress: Callable[[str], Any] | None = None) -> tuple[Plan, tuple[Candidate, ...]]:
+           progress: Callable[[str], Any] | None = None
+           ) -> tuple[Plan, tuple[MeasuredProgram, ...]]:
     """Compile the searched plan and every expert plan on `mesh`, keep the cheapest priced
     program that fits `memory_budget` (compiled peak bytes per device). The searched plan is
     kept unless another is cheaper by more than MARGIN; when nothing fits, the one that needs
@@ -158,8 +189,29 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
         return measure(graph, traced, p, mesh, hw, name, donate_argnums, dtype)
 
     candidates = [run("searched", plan)]
+    stopped = _recalibrate(candidates, run, memory_budget, replan)
+    for name, p in expert_plans(graph, plan).items():
+        candidates.append(run(name, p))
+    priced = [c for c in candidates if c.priced is not None]
+    if not priced:
+        return plan, tuple(candidates)
+    best = _cheapest(priced, memory_budget)
+    fits = any(c.fits(memory_budget) for c in priced)
+    note = (_note(candidates, hw, memory_budget) + stopped
+            + _kept_note(best, fits, memory_budget))
+    solver = (best.plan.solver if best.name.startswith("searched")
+              else f"{best.plan.solver}; searched: {plan.solver}")
+    kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),
+                               notes=(*plan.notes, note), solver=solver,
+                               search_s=plan.search_s)
+    return kept, tuple(candidates)
+
+
+def _recalibrate(candidates: list[MeasuredProgram], run, memory_budget: float | None,
+                 replan: Callable[[float], Plan] | None) -> str:
+    """Re-plan under a tighter ILP budget while the last searched plan compiles over the
+    budget (appending each re-plan to `candidates`); why it stopped early, or ""."""
     ilp_budget = memory_budget
-    stopped = ""
     for k in range(RECALIBRATIONS if replan is not None and memory_budget else 0):
         last = candidates[-1]
         if last.priced is None or last.fits(memory_budget) or last.plan.estimate.peak_bytes <= 0:
@@ -169,25 +221,30 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
         try:
             again = replan(ilp_budget)
         except InfeasibleMemory as e:
-            stopped = (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: no "
-                       f"plan fits it (the least any needs is {fmt_bytes(e.min_bytes)})")
-            break
+            return (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: no "
+                    f"plan fits it (the least any needs is {fmt_bytes(e.min_bytes)})")
         candidates.append(run(f"searched-{k + 1} (ILP budget {fmt_bytes(ilp_budget)})", again))
-    for name, p in expert_plans(graph, plan).items():
-        candidates.append(run(name, p))
-    priced = [c for c in candidates if c.priced is not None]
-    if not priced:
-        return plan, tuple(candidates)
+    return ""
+
+
+def _cheapest(priced: list[MeasuredProgram], memory_budget: float | None) -> MeasuredProgram:
+    """The cheapest program that fits (a searched one unless another wins by MARGIN), else
+    the one that needs the least memory."""
     fitting = [c for c in priced if c.fits(memory_budget)]
-    if fitting:
-        best = min(fitting, key=lambda c: c.priced.total_s)
-        searched = [c for c in fitting if c.name.startswith("searched")]
-        if searched:
-            ours = min(searched, key=lambda c: c.priced.total_s)
-            if ours.priced.total_s <= best.priced.total_s * (1 + MARGIN):
-                best = ours
-    else:
-        best = min(priced, key=lambda c: c.priced.peak_bytes)
+    if not fitting:
+        return min(priced, key=lambda c: c.priced.peak_bytes)
+    best = min(fitting, key=lambda c: c.priced.total_s)
+    searched = [c for c in fitting if c.name.startswith("searched")]
+    if searched:
+        ours = min(searched, key=lambda c: c.priced.total_s)
+        if ours.priced.total_s <= best.priced.total_s * (1 + MARGIN):
+            best = ours
+    return best
+
+
+def _note(candidates: Sequence[MeasuredProgram], hw: HardwareProfile,
+          memory_budget: float | None) -> str:
+    """The kept plan's note: every candidate's price (or why it did not compile)."""
     lines = []
     for c in candidates:
         if c.priced is None:
@@ -197,14 +254,35 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
         fit = "" if c.fits(memory_budget) else " (over the budget)"
         lines.append(f"{c.name} {fmt_seconds(p.total_s)} (compute {fmt_seconds(p.compute_s)}, "
                      f"comm {fmt_seconds(p.comm_s)}), peak {fmt_bytes(p.peak_bytes)}{fit}")
-    note = (f"measured (compiled by XLA, priced as {hw.name}): " + "; ".join(lines) + stopped
-            + f"; kept {best.name}")
+    return f"measured (compiled by XLA, priced as {hw.name}): " + "; ".join(lines)
+
+
+def _kept_note(best: MeasuredProgram, fitting: bool, memory_budget: float | None) -> str:
+    note = f"; kept {best.name}"
     if not fitting and memory_budget is not None:
         note += (f": no compiled program fits {fmt_bytes(memory_budget)} per device, this one "
                  "needs the least")
-    solver = (best.plan.solver if best.name.startswith("searched")
-              else f"{best.plan.solver}; searched: {plan.solver}")
-    kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),
-                               notes=(*plan.notes, note), solver=solver,
-                               search_s=plan.search_s)
-    return kept, tuple(candidates)
+    return note
+
+
+def plan_measured(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
+                  options: SearchOptions, *, device_mesh=None,
+                  device_order: Sequence[int] | None = None) -> tuple[Plan, Graph, IntraPlan]:
+    """shardplan.search.plan_step, then (with options.measure) the measured selection on
+    `device_mesh`, or on CPU devices standing in for the cluster."""
+    start = time.perf_counter()
+    plan, graph, intra = plan_step(traced, mesh_shape, hw, options, device_mesh=device_mesh,
+                                   device_order=device_order)
+    if not options.measure:
+        return plan, graph, intra
+
+    def replan(ilp_budget: float) -> Plan:
+        return plan_graph(graph, traced, mesh_shape, hw, options, ilp_budget=ilp_budget,
+                          device_mesh=device_mesh, device_order=device_order, start=start)[0]
+
+    mesh = device_mesh if device_mesh is not None else cpu_mesh(mesh_shape)
+    plan, _ = select(graph, traced, plan, mesh, hw, memory_budget=options.memory_budget,
+                     donate_argnums=traced.state_argnums, replan=replan)
+    plan = dataclasses.replace(plan, search_s=time.perf_counter() - start,
+                               device_mesh=device_mesh)
+    return plan, graph, intra

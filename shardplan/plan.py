@@ -1,5 +1,6 @@
 """Plan: the PartitionSpec of every input, output and planned intermediate, the stages, the
-estimate; JSON round trip and a summary table."""
+estimate (shardplan.cost.estimate); JSON round trip and a summary table. Values only: how a
+plan is found is shardplan.search, how it runs is shardplan.emit."""
 
 from __future__ import annotations
 
@@ -10,34 +11,20 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+from jax.sharding import NamedSharding
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from shardplan.cost.estimate import Estimate
+from shardplan.inter.stages import Stage, device_span
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import fmt_bytes, fmt_seconds
 
+__all__ = ["FORMAT_VERSION", "Estimate", "OpRow", "Plan", "Stage", "load_plan"]
+
 FORMAT_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-    """Per-device cost of one step under the cost model."""
-
-    compute_s: float
-    comm_s: float
-    peak_bytes: float
-    state_bytes: float
-    comm_bytes: float = 0.0
-    bubble_fraction: float = 0.0
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.comm_s
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "total_s": self.total_s}
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> Estimate:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in fields})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +36,6 @@ class OpRow:
     strategy: str
     compute_s: float
     comm_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """A pipeline stage: its layers, the devices of its submesh, and its estimate."""
-
-    layers: tuple[int, int]
-    submesh_shape: tuple[int, ...]
-    devices: tuple[int, ...]
-    estimate: Estimate
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,9 +67,6 @@ class Plan:
     # -- shardings -------------------------------------------------------------------------
 
     def _shardings(self, specs, tree):
-        import jax
-        from jax.sharding import NamedSharding
-
         if self.stages:
             raise ValueError("a pipelined plan has no single mesh: each stage's inputs live on "
                              "its own submesh (see plan.stages); use plan.in_specs for the specs")
@@ -172,23 +146,14 @@ class Plan:
             notes=tuple(d.get("notes", ())),
         )
 
-    def timeline(self, path) -> None:
-        """A PNG Gantt chart of the pipeline stages over one step, from the cost model."""
-        from shardplan import timeline
-
-        if not self.stages:
-            raise ValueError("this plan has no pipeline stages to draw")
-        timeline.draw_timeline([s.estimate.total_s for s in self.stages],
-                               self.num_micro_batches, self.schedule or "1f1b", path)
-
     def save(self, path) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=1)
 
     # -- summary ---------------------------------------------------------------------------
 
-    def param_table(self) -> list[tuple[str, str, str, int]]:
-        """Inputs grouped by name pattern (layer numbers folded into '*'): (pattern, role, spec,
+    def param_table(self) -> list[tuple[str, str, int]]:
+        """Inputs grouped by name pattern (layer numbers folded into '*'): (pattern, spec,
         count)."""
         groups: dict[tuple[str, str], int] = {}
         for name, spec in zip(self.input_names, self.input_specs):
@@ -198,10 +163,6 @@ class Plan:
         return [(p, s, n) for (p, s), n in groups.items()]
 
     def summary(self, max_rows: int = 25) -> str:
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-
         buf = io.StringIO()
         console = Console(file=buf, width=120, force_terminal=False, color_system=None)
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.sizes))
@@ -218,7 +179,7 @@ class Plan:
                 t.add_column(c)
             for i, s in enumerate(self.stages):
                 t.add_row(str(i), f"{s.layers[0]}-{s.layers[1]}", "x".join(map(str, s.submesh_shape)),
-                          _short(s.devices), fmt_seconds(s.estimate.total_s),
+                          device_span(s.devices), fmt_seconds(s.estimate.total_s),
                           fmt_bytes(s.estimate.peak_bytes))
             console.print(t)
         t = Table(title="input shardings (grouped)")
@@ -246,13 +207,6 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan(mesh={dict(zip(self.mesh.names, self.mesh.sizes))}, "
                 f"estimate={fmt_seconds(self.estimate.total_s)}, stages={len(self.stages)})")
-
-
-def _short(devices) -> str:
-    d = list(devices)
-    if d == list(range(d[0], d[0] + len(d))):
-        return f"{d[0]}..{d[-1]}"
-    return ",".join(map(str, d))
 
 
 def _spec_to_json(s: ShardSpec) -> dict:

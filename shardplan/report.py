@@ -1,5 +1,5 @@
-"""Reports of a planning run: report.md with PNG plots (matplotlib, Agg), and the benchmark's
-bench.md / bench.csv.
+"""Reports of a planning run: report.md with PNG plots (matplotlib Figures, Agg). The
+benchmark's bench.md / bench.csv are shardplan.bench.
 
 A Run holds what the CLI learned about one config: the plan, and, when the programs were
 compiled, the plan and every baseline priced by one hardware profile (analysis/price.py).
@@ -7,14 +7,14 @@ compiled, the plan and every baseline priced by one hardware profile (analysis/p
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 
+from shardplan import timeline
 from shardplan.analysis.price import PricedStep
+from shardplan.options import DEFAULTS
 from shardplan.plan import Plan
 from shardplan.units import fmt_bytes, fmt_seconds
 
@@ -58,7 +58,7 @@ class Run:
     search_s: float = 0.0
     """Wall-clock seconds of planning (all meshes)."""
     compile_s: float = 0.0
-    schedule: str = "1f1b"
+    schedule: str = DEFAULTS.schedule
     num_micro_batches: int = 1
     notes: tuple[str, ...] = ()
 
@@ -170,13 +170,13 @@ def cost_by_layer(plan: Plan) -> list[tuple[str, float, float]]:
 # -- plots ----------------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
+def _figure(figsize):
+    """A bare matplotlib Figure and its axes: drawn with Agg, no global pyplot state.
+    matplotlib is heavy and only needed to draw: imported here, lazily."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=figsize)
+    return fig, fig.add_subplot(1, 1, 1)
 
 
 def plot_layer_costs(plan: Plan, path: str) -> str | None:
@@ -184,8 +184,7 @@ def plot_layer_costs(plan: Plan, path: str) -> str | None:
     rows = cost_by_layer(plan)
     if not rows:
         return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(rows) + 2), 3.6))
+    fig, ax = _figure((max(6.0, 0.35 * len(rows) + 2), 3.6))
     xs = range(len(rows))
     comp = [r[1] * 1e3 for r in rows]
     comm = [r[2] * 1e3 for r in rows]
@@ -197,15 +196,13 @@ def plot_layer_costs(plan: Plan, path: str) -> str | None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
 def plot_memory(run: Run, path: str) -> str:
     """Peak memory per device of every program compared, against the budget."""
     rows = run.rows()
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 1.5))
+    fig, ax = _figure((7, 0.5 * len(rows) + 1.5))
     top = max([r[4] for r in rows] + [1.0])
     unit, scale = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10),
                                            ("B", 1)) if top >= s)
@@ -225,15 +222,13 @@ def plot_memory(run: Run, path: str) -> str:
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
 def plot_step_times(run: Run, path: str) -> str:
     """Stacked compute / communication step time of every program compared."""
     rows = run.rows()
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 1.5))
+    fig, ax = _figure((7, 0.5 * len(rows) + 1.5))
     comp = [r[1] * 1e3 for r in rows]
     comm = [r[2] * 1e3 for r in rows]
     ys = range(len(rows))
@@ -246,30 +241,19 @@ def plot_step_times(run: Run, path: str) -> str:
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
 def plot_timeline(run: Run, path: str) -> str | None:
-    """The pipeline schedule of a staged plan: Plan.timeline if it has one, else a chart of
-    the stages' estimated times (shardplan.timeline); None when neither is available."""
-    timeline = getattr(run.plan, "timeline", None)
-    if callable(timeline):
-        timeline(path)
-    else:
-        try:
-            from shardplan.timeline import draw_timeline
-        except ImportError:
-            return None
-        draw_timeline([s.estimate.total_s for s in run.plan.stages], run.num_micro_batches,
-                      run.schedule, path, title=f"{run.label}: pipeline, {run.schedule}")
+    """The pipeline schedule of a staged plan (shardplan.timeline, from the cost model)."""
+    timeline.draw_plan(run.plan, path)
     return path if os.path.exists(path) else None
 
 
 # -- report.md ------------------------------------------------------------------------------
 
 
-def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     def cell(x):
         return str(x).replace("|", "\\|")
 
@@ -355,12 +339,12 @@ def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
     ]
     if len(run.meshes) > 1:
         lines += ["## Meshes tried", ""]
-        lines += _md_table(("mesh", "estimate"), [
+        lines += md_table(("mesh", "estimate"), [
             (m, fmt_seconds(t) if isinstance(t, float) else t) for m, t in run.meshes.items()])
         lines.append("")
     if plan.stages:
         lines += ["## Pipeline stages", ""]
-        lines += _md_table(("stage", "layers", "submesh", "time", "memory"), [
+        lines += md_table(("stage", "layers", "submesh", "time", "memory"), [
             (str(i), f"{s.layers[0]}-{s.layers[1]}", "x".join(map(str, s.submesh_shape)),
              fmt_seconds(s.estimate.total_s), fmt_bytes(s.estimate.peak_bytes))
             for i, s in enumerate(plan.stages)])
@@ -374,28 +358,28 @@ def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
                    "only slices, or sends bf16 values widened to f32, an accelerator profile "
                    "prices the reduce-scatter and the bf16 bytes a GPU/TPU would run, alike for "
                    "the plan and the baselines (`shardplan/analysis/price.py`)."), ""]
-    lines += _md_table(COMPARISON_HEADER, comparison_rows(run))
+    lines += md_table(COMPARISON_HEADER, comparison_rows(run))
     lines.append("")
     if run.ratio() is not None:
         lines += [f"**{run.ratio_text()}.**", ""]
     if run.verification is not None:
         lines += ["## Predicted vs compiled (the plan)", ""]
-        lines += _md_table(("quantity", "predicted", "compiled", "compiled / predicted"),
+        lines += md_table(("quantity", "predicted", "compiled", "compiled / predicted"),
                            verification_rows(run.verification))
         lines.append("")
-        lines += _md_table(("collective", "count", "sent / device"), [
+        lines += md_table(("collective", "count", "sent / device"), [
             (k, str(n), fmt_bytes(b)) for k, (n, b) in run.verification.collectives.items()])
         lines.append("")
     for title, fname in images:
         lines += [f"## {title}", "", f"![{title}]({fname})", ""]
     lines += ["## Input shardings (grouped by layer pattern)", ""]
-    lines += _md_table(("inputs", "PartitionSpec", "count"),
+    lines += md_table(("inputs", "PartitionSpec", "count"),
                        [(f"`{p}`", f"`{s}`", str(n)) for p, s, n in plan.param_table()])
     lines.append("")
     if plan.ops:
         lines += ["## Costliest operators (cost model)", ""]
         ops = sorted(plan.ops, key=lambda o: -(o.compute_s + o.comm_s))[:20]
-        lines += _md_table(("op", "name", "strategy", "compute", "comm"), [
+        lines += md_table(("op", "name", "strategy", "compute", "comm"), [
             (o.primitive, o.name[-60:], o.strategy, fmt_seconds(o.compute_s),
              fmt_seconds(o.comm_s)) for o in ops])
         lines.append("")
@@ -403,91 +387,3 @@ def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
     if notes:
         lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(lines)
-
-
-# -- bench ----------------------------------------------------------------------------------
-
-
-BENCH_HEADER = ("config", "model", "mesh", "hardware", "plan", *BASELINE_ORDER,
-                "plan / best", "fits", "search s")
-
-
-CSV_HEADER = ("config", "model", "mesh", "hardware", "plan_s",
-              *(f"{b}_s" for b in BASELINE_ORDER), "plan_over_best", "fits", "search_s",
-              "config_s")
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchRow:
-    """One config of the benchmark: a Run, or why there is none."""
-
-    config: str
-    run: Run | None = None
-    model: str = ""
-    mesh: str = ""
-    hardware: str = ""
-    error: str = ""
-    seconds: float = 0.0
-    """Wall-clock seconds for the whole config (planning and compiling)."""
-
-
-def bench_cells(row: BenchRow, csv_numbers: bool = False) -> list[str]:
-    """A bench row's cells (times in ms; raw seconds and bytes for the CSV)."""
-    def t(x):
-        if x is None:
-            return ""
-        return f"{x:.6g}" if csv_numbers else fmt_seconds(x)
-
-    run = row.run
-    if run is None:
-        return [row.config, row.model, row.mesh, row.hardware, row.error, *[""] * 4, "", "",
-                f"{row.seconds:.1f}"]
-    base = []
-    for name in BASELINE_ORDER:
-        p = run.baselines.get(name)
-        if isinstance(p, PricedStep):
-            base.append(t(p.total_s) + ("" if run.fits(p.peak_bytes) or csv_numbers else " (OOM)"))
-        else:
-            base.append("" if csv_numbers or p is None else "-")
-    plan_cell = t(run.plan_total())
-    if run.priced_plan is None and not csv_numbers:
-        plan_cell += " (est.)"
-    ratio = run.ratio()
-    ratio_cell = "" if ratio is None else f"{ratio:.3f}"
-    if ratio is not None and not run.best_fits() and not csv_numbers:
-        ratio_cell += " (none fits)"
-    peak = run.priced_plan.peak_bytes if run.priced_plan else run.plan.estimate.peak_bytes
-    return [row.config, run.label, run.mesh, run.hardware, plan_cell, *base, ratio_cell,
-            "yes" if run.fits(peak) else "no", f"{run.search_s:.1f}"]
-
-
-def write_bench(rows: Sequence[BenchRow], out_dir: str) -> tuple[str, str]:
-    """bench.md and bench.csv in out_dir."""
-    os.makedirs(out_dir, exist_ok=True)
-    md = os.path.join(out_dir, "bench.md")
-    csv_path = os.path.join(out_dir, "bench.csv")
-    lines = ["# shardplan bench", "",
-             ("Step time per config: the plan and each applicable baseline compiled by XLA on "
-              "CPU devices and priced with the config's hardware profile (`(est.)`: not "
-              "compiled, the cost model's estimate; `(OOM)`: over the memory budget). "
-              "`plan / best`: plan over the fastest baseline that fits (`none fits`: over the "
-              "fastest baseline, none of which fits); below 1 the plan wins; `fits`: the "
-              "compiled plan fits the budget."),
-             ""]
-    lines += _md_table(BENCH_HEADER, [bench_cells(r) for r in rows])
-    errors = [r for r in rows if r.error]
-    if errors:
-        lines += ["", "## Errors", "", *(f"- {r.config}: {r.error}" for r in errors)]
-    with open(md, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(csv_path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_HEADER)
-        for r in rows:
-            w.writerow(bench_cells(r, csv_numbers=True) + [f"{r.seconds:.1f}"])
-    return md, csv_path
-
-
-def geomean(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None

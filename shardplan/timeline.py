@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from shardplan.inter.schedule import simulate, split_stage_time
+from shardplan.options import DEFAULTS
+from shardplan.plan import Plan
+
 
 def stage_durations(stage_times: Sequence) -> tuple[list[float], list[float]]:
     """(forward, backward) seconds per stage from floats (forward + backward of one
-    micro-batch, split 1 : 2 as a backward costs about twice a forward) or pairs."""
+    micro-batch, split as shardplan.inter.schedule.split_stage_time does) or pairs."""
     fwd, bwd = [], []
     for i, t in enumerate(stage_times):
         if isinstance(t, (tuple, list)):
@@ -16,7 +20,7 @@ def stage_durations(stage_times: Sequence) -> tuple[list[float], list[float]]:
                 raise ValueError(f"stage {i}: give (forward, backward) seconds, got {t!r}")
             f, b = float(t[0]), float(t[1])
         else:
-            f, b = float(t) / 3.0, 2.0 * float(t) / 3.0
+            f, b = split_stage_time(float(t))
         if not (f >= 0 and b >= 0):
             raise ValueError(f"stage {i}: times must be >= 0 seconds, got {t!r}")
         fwd.append(f)
@@ -31,10 +35,9 @@ def draw_timeline(stage_times: Sequence, num_micro_batches: int, schedule: str, 
     """Write a PNG Gantt chart of `schedule` ("1f1b" or "gpipe") over `num_micro_batches`:
     one row per stage, forward boxes light and backward boxes dark, numbered by micro-batch.
     Returns the path written."""
-    # a bare Figure draws with Agg and touches no global pyplot state
+    # matplotlib is heavy and only needed to draw: imported here, lazily. A bare Figure draws
+    # with Agg and touches no global pyplot state.
     from matplotlib.figure import Figure
-
-    from shardplan.emit.pipeline import simulate
 
     fwd, bwd = stage_durations(stage_times)
     S = len(fwd)
@@ -63,6 +66,21 @@ def draw_timeline(stage_times: Sequence, num_micro_batches: int, schedule: str, 
     path = os.fspath(path)
     fig.savefig(path, dpi=100, format="png")
     return path
+
+
+def draw_plan(plan: Plan, path, title: str | None = None) -> str:
+    """The timeline of a pipelined plan's stages over one step, from the cost model."""
+    if not plan.stages:
+        raise ValueError("this plan has no pipeline stages to draw")
+    return draw_timeline([s.estimate.total_s for s in plan.stages], plan.num_micro_batches,
+                         plan.schedule or DEFAULTS.schedule, path, title)
+
+
+def draw_pipeline(pipeline, path) -> str:
+    """The timeline of a shardplan.inter.planner.PipelinePlan (its stages' forward and
+    backward times); returns the path."""
+    return draw_timeline(pipeline.stage_times, pipeline.num_micro_batches, pipeline.schedule,
+                         path)
 
 
 def _unit(seconds: float) -> tuple[float, str]:

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardplan
+from shardplan import timeline
 from shardplan.analysis import hlo
 from shardplan.cost.hardware import get_profile
 from shardplan.models import get_model
@@ -270,7 +271,7 @@ def test_pipelined_plan_draws_its_timeline(tmp_path, mesh8):
     plan = shardplan.auto(step_fn, mesh=mesh8, pipeline=True, num_stages=2,
                           num_micro_batches=4).plan(*args)
     assert plan.num_micro_batches == 4 and plan.schedule == "1f1b"
-    plan.timeline(tmp_path / "t.png")
+    timeline.draw_plan(plan, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     plan.save(tmp_path / "p.json")
     assert shardplan.load_plan(tmp_path / "p.json").num_micro_batches == 4

@@ -201,3 +201,29 @@ def test_every_shipped_config_plans(path, tmp_path, devices):
     assert main(["search", path, "--out", str(tmp_path), "-q",
                  "--set", "output.compare=false", "--set", "search.measure=false"]) == 0
     assert (tmp_path / "plan.json").exists()
+
+
+def test_entry_imports_from_the_current_and_the_config_directory(tmp_path):
+    """The console script (not in-process, no PYTHONPATH): `mymodel.py` beside the config or
+    in the current directory is found."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mymodel.py").write_text(ENTRY)
+    job = textwrap.dedent("""\
+        model: {entry: "mymodel:make", kwargs: {width: 64}}
+        cluster: {hardware: a100-80gb, mesh: {shape: [2]}}
+        search: {measure: false, time_limit: 5}
+        output: {formats: [json], compare: false}
+    """)
+    (tmp_path / "job.yaml").write_text(job)
+    script = os.path.join(os.path.dirname(sys.executable), "shardplan")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for cwd, config in ((tmp_path, "job.yaml"), (elsewhere, str(tmp_path / "job.yaml"))):
+        done = subprocess.run([script, "search", config, "--out", "out", "-q"], cwd=cwd,
+                              check=False,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert (cwd / "out" / "plan.json").exists()

@@ -11,6 +11,8 @@ import pytest
 
 from shardplan.grad import stage_boundary, value_and_grad
 from shardplan.inter import split as sp
+from shardplan.inter import stage_io
+from shardplan.inter import update as update_mod
 from shardplan.models import base
 from shardplan.models.mlp import MLP, MLPConfig
 
@@ -70,10 +72,10 @@ def _run_stages(s, ios, leaves, m):
     for d, src in zip(s.diff_values, s.diff_sources):
         env[d] = leaves[src]
     for io in ios:
-        fn = sp.stage_function(s, io)
+        fn = stage_io.stage_function(s, io)
         f, o = fn([env[v] for v in io.diff_in], [env[v] for v in io.const_in])
-        env.update(zip(sp.float_outs(s, io), f))
-        env.update(zip(sp.other_outs(s, io), o))
+        env.update(zip(stage_io.float_outs(s, io), f))
+        env.update(zip(stage_io.other_outs(s, io), o))
     return env[s.loss_value]
 
 
@@ -81,10 +83,10 @@ def _run_stages(s, ios, leaves, m):
 def test_stages_compose_to_the_loss(num_stages):
     step, args, loss_fn = mlp_step()
     s = sp.split_step(step, args, num_micro_batches=2)
-    layers = sp.layer_groups(s, 6)
+    layers = stage_io.layer_groups(s, 6)
     bounds = np.linspace(0, 6, num_stages + 1).astype(int)
     ranges = [(a, b - 1) for a, b in itertools.pairwise(bounds)]
-    ios = sp.stage_ios(s, sp.merge_groups(layers, ranges))
+    ios = stage_io.stage_ios(s, stage_io.merge_groups(layers, ranges))
     leaves = jax.tree.leaves(args)
     params, _, data = args
     for m in range(2):
@@ -95,11 +97,11 @@ def test_stages_compose_to_the_loss(num_stages):
 def test_forward_backward_of_the_whole_body_is_jax_grad():
     step, args, loss_fn = mlp_step()
     s = sp.split_step(step, args, num_micro_batches=1)
-    (io,) = sp.stage_ios(s, [s.body])
+    (io,) = stage_io.stage_ios(s, [s.body])
     leaves = jax.tree.leaves(args)
     env = {v: leaves[i] for i, v in enumerate(s.forward.inputs)}
     env.update({d: leaves[src] for d, src in zip(s.diff_values, s.diff_sources)})
-    outs, _, grads = sp.forward_backward(s, io)(
+    outs, _, grads = stage_io.forward_backward(s, io)(
         [env[v] for v in io.diff_in], [env[v] for v in io.const_in], [jnp.float32(1.0)])
     want_loss, want = jax.value_and_grad(loss_fn)(args[0], args[2])
     np.testing.assert_allclose(outs[0], want_loss, rtol=1e-6)
@@ -112,7 +114,7 @@ def test_computed_differentiated_arguments_are_prepared_per_stage():
     step, args, _ = mlp_step(cast=True)
     s = sp.split_step(step, args)
     assert all(src is None for src in s.diff_sources)
-    ios = sp.stage_ios(s, sp.layer_groups(s, 4))
+    ios = stage_io.stage_ios(s, stage_io.layer_groups(s, 4))
     for io in ios:  # each stage prepares (w * 2.0) the parameters it reads, and only those
         reads = [v for v in io.diff_in if v in s.diff_values]
         muls = [n for n in io.prep if s.forward.nodes[n].primitive == "mul"]
@@ -135,7 +137,7 @@ def test_stage_boundaries_make_the_layers():
 
     s = sp.split_step(step, ([w] * 4, jnp.ones((8, 4))), num_micro_batches=2)
     assert len(s.boundaries) == 3
-    layers = sp.layer_groups(s)
+    layers = stage_io.layer_groups(s)
     assert len(layers) == 4
     assert [sum(s.forward.nodes[n].primitive == "dot_general" for n in layer)
             for layer in layers] == [1, 1, 1, 1]
@@ -145,13 +147,13 @@ def test_stage_boundaries_make_the_layers():
 def test_repeated_layers_share_a_signature():
     step, args, _ = mlp_step(num_layers=8)
     s = sp.split_step(step, args, num_micro_batches=2)
-    ios = sp.stage_ios(s, sp.layer_groups(s, 8))
-    sigs = [sp.layer_signature(s.forward, io) for io in ios]
+    ios = stage_io.stage_ios(s, stage_io.layer_groups(s, 8))
+    sigs = [stage_io.layer_signature(s.forward, io) for io in ios]
     assert len(set(sigs[1:-1])) == 1 and len(set(sigs)) == 3
     other, args2, _ = mlp_step(num_layers=8, width=32)
     s2 = sp.split_step(other, args2, num_micro_batches=2)
-    io2 = sp.stage_ios(s2, sp.layer_groups(s2, 8))
-    assert sp.layer_signature(s2.forward, io2[1]) != sigs[1]
+    io2 = stage_io.stage_ios(s2, stage_io.layer_groups(s2, 8))
+    assert stage_io.layer_signature(s2.forward, io2[1]) != sigs[1]
 
 
 def _homes(s, ios):
@@ -161,9 +163,9 @@ def _homes(s, ios):
 def test_per_parameter_update_splits_without_exchange():
     step, args, _ = mlp_step(optimizer=optax.adamw(1e-3))
     s = sp.split_step(step, args, num_micro_batches=2)
-    ios = sp.stage_ios(s, sp.merge_groups(sp.layer_groups(s, 8), [(0, 3), (4, 7)]))
+    ios = stage_io.stage_ios(s, stage_io.merge_groups(stage_io.layer_groups(s, 8), [(0, 3), (4, 7)]))
     homes = _homes(s, ios)
-    u = sp.split_update(s, homes, 2)
+    u = update_mod.split_update(s, homes, 2)
     assert not any(part.outputs for part in u.reduce)
     ties = s.traced.arg_info.ties
     for j, stage in enumerate(u.output_stage):
@@ -177,11 +179,11 @@ def test_global_norm_clipping_exchanges_scalars():
     opt = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(1e-2))
     step, args, _ = mlp_step(optimizer=opt)
     s = sp.split_step(step, args, num_micro_batches=2)
-    ios = sp.stage_ios(s, sp.merge_groups(sp.layer_groups(s, 8), [(0, 3), (4, 7)]))
-    u = sp.split_update(s, _homes(s, ios), 2)
+    ios = stage_io.stage_ios(s, stage_io.merge_groups(stage_io.layer_groups(s, 8), [(0, 3), (4, 7)]))
+    u = update_mod.split_update(s, _homes(s, ios), 2)
     assert all(part.outputs for part in u.reduce)
     for part in u.reduce:
-        assert all(s.update.values[v].size <= sp.MAX_COUPLING_ELEMENTS for v in part.outputs)
+        assert all(s.update.values[v].size <= update_mod.MAX_COUPLING_ELEMENTS for v in part.outputs)
     # the other stage's partial norm is an input of each apply part
     for k, part in enumerate(u.apply):
         assert set(u.reduce[1 - k].outputs) & set(part.inputs)
@@ -200,7 +202,7 @@ def test_a_large_coupling_is_rejected():
 
     s = sp.split_step(step, (w, jnp.ones((8, 64))))
     with pytest.raises(sp.PipelineSplitError, match="couples the parameters of stages"):
-        sp.split_update(s, [0, 1], 2)
+        update_mod.split_update(s, [0, 1], 2)
 
 
 def test_errors_say_what_to_do():

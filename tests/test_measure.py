@@ -6,10 +6,11 @@ import pytest
 
 import shardplan
 from shardplan import measure
-from shardplan.api import Options, _plan_traced
 from shardplan.cost.hardware import get_profile
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
+from shardplan.options import SearchOptions
+from shardplan.search import plan_step
 from shardplan.strategies.spec import MeshShape
 from tests.conftest import auto_mesh
 from tests.test_api import assert_tree_close
@@ -24,9 +25,9 @@ def _block():
 
 def _select(model, mesh, **kw):
     traced = trace(model.fn, model.args, model.state_argnums, model.batch_argnums)
-    plan, graph, _ = _plan_traced(traced, MeshShape.of(mesh), A100,
-                                  Options(state_argnums=model.state_argnums,
-                                          batch_argnums=model.batch_argnums))
+    plan, graph, _ = plan_step(traced, MeshShape.of(mesh), A100,
+                               SearchOptions(state_argnums=model.state_argnums,
+                                             batch_argnums=model.batch_argnums))
     return measure.select(graph, traced, plan, mesh, A100, donate_argnums=traced.state_argnums,
                           **kw)
 
@@ -59,7 +60,7 @@ def test_budget_excludes_candidates_that_do_not_fit(mesh2x4, block_selection):
 def test_expert_plans_run_like_the_single_device_step(mesh2x4):
     model = get_model("gpt", "tiny", batch_size=8, num_layers=1, dropout_rate=0.0)
     traced = trace(model.fn, model.args, model.state_argnums, model.batch_argnums)
-    plan, graph, _ = _plan_traced(traced, MeshShape.of(mesh2x4), A100, Options())
+    plan, graph, _ = plan_step(traced, MeshShape.of(mesh2x4), A100)
     experts = measure.expert_plans(graph, plan)
     assert set(experts) == {"data_parallel", "fsdp", "two_d"}
     want = jax.jit(model.fn)(*model.args)
@@ -107,7 +108,7 @@ def test_plan_over_budget_once_compiled_is_replanned_under_a_scaled_budget(monke
 
     def fake_measure(graph, traced, plan, mesh, hw, name, donate, dtype):
         peak = compiled_peak[plan.solver]
-        return measure.Candidate(name, plan, PricedStep(1.0, 0.0, 1.0, peak, 0.0, {}))
+        return measure.MeasuredProgram(name, plan, PricedStep(1.0, 0.0, 1.0, peak, 0.0, {}))
 
     asked = []
 

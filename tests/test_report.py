@@ -1,6 +1,5 @@
 """report.md, its plots and the bench tables, from hand-made plans and priced programs."""
 
-import csv
 
 import pytest
 
@@ -112,23 +111,3 @@ def test_pipeline_report_draws_a_timeline(tmp_path):
     assert str(tmp_path / "timeline.png") in written
     md = (tmp_path / "report.md").read_text()
     assert "Pipeline stages" in md and "timeline.png" in md
-
-
-def test_write_bench(tmp_path):
-    rows = [report.BenchRow("gpt", _run(), seconds=12.0),
-            report.BenchRow("tight", _run(budget=100 * MiB), seconds=1.0),
-            report.BenchRow("big", None, "gpt-39b", "8 x 8", "tpu-v4", "no plan fits: x", 3.0)]
-    md, path = report.write_bench(rows, str(tmp_path))
-    with open(md) as f:
-        text = f.read()
-    assert "| gpt | gpt-test | data=2 x model=4 | a100-80gb |" in text
-    assert "(OOM)" in text and "no plan fits" in text and "0.833" in text
-    with open(path) as f:
-        table = list(csv.DictReader(f))
-    assert [r["config"] for r in table] == ["gpt", "tight", "big"]
-    assert "(none fits)" in text and table[1]["fits"] == "no"
-    assert float(table[0]["plan_s"]) == pytest.approx(0.010)
-    assert float(table[0]["two_d_s"]) == pytest.approx(0.012)
-    assert table[0]["megatron_s"] == ""
-    assert float(table[0]["plan_over_best"]) == pytest.approx(0.010 / 0.012, rel=1e-3)
-    assert report.geomean([0.5, 2.0, None]) == pytest.approx(1.0)

@@ -15,6 +15,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+import yaml
+
 from shardplan.strategies.spec import MeshShape
 
 GiB = 2**30
@@ -265,8 +268,6 @@ _DTYPE_BITS = {name: bits for bits, names in _DTYPE_GROUPS.items() for name in n
 def _dtype_name(dtype: Any) -> str:
     if isinstance(dtype, str):
         return dtype
-    import numpy as np
-
     try:
         return np.dtype(dtype).name
     except TypeError:
@@ -308,76 +309,31 @@ _H100_IB = Link(bandwidth=400e9 / 8, latency=5e-6)
 #   "Links" are memcpy in shared memory, ~20 GB/s shared by 8 devices.
 _CPU_MEMCPY = Link(bandwidth=20e9 / 8, latency=1e-5)
 
-PROFILES: dict[str, HardwareProfile] = {
-    "tpu-v4": HardwareProfile(
-        name="tpu-v4",
-        peak_flops=275e12,
-        peak_flops_f32=275e12,
-        memory_bytes=32 * GiB,
-        devices_per_host=4,
-        intra_host=_TPU_V4_ICI,
-        inter_host=_TPU_V4_ICI,  # one slice: the torus spans hosts; DCN only between slices
-        mem_bandwidth=1200e9,
-        backend="tpu",
-        forms_reduce_scatter=True,
-        source="Cloud TPU docs 'TPU v4'; Jouppi et al., 'TPU v4: An Optically Reconfigurable "
-        "Supercomputer for Machine Learning', ISCA 2023; JAX docs 'Matmul precision'",
-    ),
-    "tpu-v5e": HardwareProfile(
-        name="tpu-v5e",
-        peak_flops=197e12,
-        peak_flops_f32=197e12,
-        memory_bytes=16 * GiB,
-        devices_per_host=8,
-        intra_host=_TPU_V5E_ICI,
-        inter_host=_TPU_V5E_ICI,
-        mem_bandwidth=819e9,
-        backend="tpu",
-        forms_reduce_scatter=True,
-        source="Cloud TPU docs 'TPU v5e'; JAX docs 'Matmul precision'",
-    ),
-    "a100-80gb": HardwareProfile(
-        name="a100-80gb",
-        peak_flops=312e12,
-        peak_flops_f32=156e12,
-        memory_bytes=80 * GiB,
-        devices_per_host=8,
-        intra_host=_A100_NVLINK,
-        inter_host=_A100_IB,
-        mem_bandwidth=2039e9,
-        backend="gpu",
-        forms_reduce_scatter=True,
-        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); NVIDIA DGX A100 datasheet; "
-        "JAX docs 'Matmul precision'",
-    ),
-    "h100-80gb": HardwareProfile(
-        name="h100-80gb",
-        peak_flops=989.4e12,
-        peak_flops_f32=494.7e12,
-        memory_bytes=80 * GiB,
-        devices_per_host=8,
-        intra_host=_H100_NVLINK,
-        inter_host=_H100_IB,
-        mem_bandwidth=3.35e12,
-        backend="gpu",
-        forms_reduce_scatter=True,
-        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 datasheet; "
-        "JAX docs 'Matmul precision'",
-    ),
-    "cpu": HardwareProfile(
-        name="cpu",
-        peak_flops=333e9 / 8,
-        peak_flops_f32=333e9 / 8,
-        memory_bytes=2 * GiB,
-        devices_per_host=8,
-        intra_host=_CPU_MEMCPY,
-        inter_host=_CPU_MEMCPY,
-        mem_bandwidth=20e9 / 8,
-        backend="cpu",
-        forms_reduce_scatter=False,  # JAX-NOTES: XLA:CPU keeps all-reduce + slice
-        source="nominal figures for the 2-core Xeon test VM shared by 8 XLA:CPU devices",
-    ),
+_SOURCES = {
+    "tpu-v4": "Cloud TPU docs 'TPU v4'; Jouppi et al., 'TPU v4: An Optically Reconfigurable "
+              "Supercomputer for Machine Learning', ISCA 2023; JAX docs 'Matmul precision'",
+    "tpu-v5e": "Cloud TPU docs 'TPU v5e'; JAX docs 'Matmul precision'",
+    "a100-80gb": "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); NVIDIA DGX A100 datasheet; "
+                 "JAX docs 'Matmul precision'",
+    "h100-80gb": "NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 datasheet; "
+                 "JAX docs 'Matmul precision'",
+    "cpu": "nominal figures for the 2-core Xeon test VM shared by 8 XLA:CPU devices",
 }
+
+# One row per profile, in HardwareProfile's field order: name, peak_flops (bf16),
+# peak_flops_f32, memory_bytes, devices_per_host, intra_host, inter_host, mem_bandwidth,
+# backend, forms_reduce_scatter (XLA:CPU keeps all-reduce + slice: JAX-NOTES). On TPU v4 one
+# slice's torus spans hosts (DCN only between slices), so both links are ICI.
+_ROWS = (
+    ("tpu-v4", 275e12, 275e12, 32 * GiB, 4, _TPU_V4_ICI, _TPU_V4_ICI, 1200e9, "tpu", True),
+    ("tpu-v5e", 197e12, 197e12, 16 * GiB, 8, _TPU_V5E_ICI, _TPU_V5E_ICI, 819e9, "tpu", True),
+    ("a100-80gb", 312e12, 156e12, 80 * GiB, 8, _A100_NVLINK, _A100_IB, 2039e9, "gpu", True),
+    ("h100-80gb", 989.4e12, 494.7e12, 80 * GiB, 8, _H100_NVLINK, _H100_IB, 3.35e12, "gpu", True),
+    ("cpu", 333e9 / 8, 333e9 / 8, 2 * GiB, 8, _CPU_MEMCPY, _CPU_MEMCPY, 20e9 / 8, "cpu", False),
+)
+
+PROFILES: dict[str, HardwareProfile] = {
+    row[0]: HardwareProfile(*row, source=_SOURCES[row[0]]) for row in _ROWS}
 
 
 def get_profile(name_or_path: str | os.PathLike) -> HardwareProfile:
@@ -388,8 +344,6 @@ def get_profile(name_or_path: str | os.PathLike) -> HardwareProfile:
     if key.endswith((".yaml", ".yml")) or os.path.isfile(key):
         if not os.path.isfile(key):
             raise FileNotFoundError(f"hardware profile file {key!r} does not exist")
-        import yaml
-
         with open(key) as f:
             data = yaml.safe_load(f)
         if not isinstance(data, Mapping):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Protocol
 
 from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
@@ -14,26 +13,6 @@ from shardplan.ir import primitives
 from shardplan.ir.graph import Graph, Node, Value
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
-
-
-class CostModel(Protocol):
-    """What the planner asks of a cost model (swap it to plan for other hardware models)."""
-
-    def node_time(self, graph: Graph, node: Node, strategy: Strategy) -> tuple[float, float]: ...
-    def reshard_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float: ...
-    def reshard_path(self, value: Value, src: ShardSpec, dst: ShardSpec) -> tuple[ShardSpec, ...]:
-        """The layouts the cheapest resharding passes through, ending with dst (partial
-        states, which no sharding can express, left out)."""
-        if src == dst:
-            return ()
-        if dst.partial:
-            src, dst = src.without_partial(), dst.without_partial()
-        return collectives.reshard_path(value.shape, value.itemsize, src, dst, self.mesh,
-                                        forms_reduce_scatter=self.hardware.forms_reduce_scatter,
-                                        links=self.links)
-
-    def value_bytes(self, value: Value, spec: ShardSpec) -> float: ...
-
 
 # Ops XLA fuses into loop or input fusions with their neighbours: their intermediates are
 # never written to memory, only what the fusion reads from outside and what it leaves behind.

@@ -12,10 +12,8 @@ caller reads a result.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -23,90 +21,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplan.inter import schedule as schedule_mod
 from shardplan.inter import split as split_mod
-from shardplan.plan import Plan
-from shardplan.strategies.spec import MeshShape
-
-if TYPE_CHECKING:
-    from shardplan.inter.planner import Candidate
-
-SCHEDULES = ("1f1b", "gpipe")
-STAGE_AXES = ("host", "device")  # a stage's submesh: hosts x devices per host
-
-
-# -- schedules ------------------------------------------------------------------------------------
-
-
-def stage_ops(num_stages: int, num_micro_batches: int, schedule: str) -> list[list[tuple[str, int]]]:
-    """Each stage's ("F" | "B", micro-batch) operations in the order it runs them.
-
-    GPipe: every forward, then every backward. 1F1B (PipeDream-flush): stage s runs
-    min(S - s - 1, B) forwards, then alternates one forward and one backward, then drains
-    the backwards; it keeps at most S - s micro-batches of activations alive.
-    """
-    S, B = int(num_stages), int(num_micro_batches)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
-    if S < 1 or B < 1:
-        raise ValueError(f"num_stages ({S}) and num_micro_batches ({B}) must be >= 1")
-    out = []
-    for s in range(S):
-        if schedule == "gpipe":
-            out.append([("F", m) for m in range(B)] + [("B", m) for m in range(B)])
-            continue
-        warm = min(S - s - 1, B)
-        ops = [("F", m) for m in range(warm)]
-        for k in range(B - warm):
-            ops += [("F", warm + k), ("B", k)]
-        ops += [("B", m) for m in range(B - warm, B)]
-        out.append(ops)
-    return out
-
-
-def simulate(num_stages: int, num_micro_batches: int, schedule: str,
-             forward_s: Sequence[float], backward_s: Sequence[float]
-             ) -> list[tuple[int, str, int, float, float]]:
-    """(stage, "F" | "B", micro-batch, start, end) of every operation when each stage runs its
-    operations in order and each waits for its inputs: F(s, m) for F(s - 1, m), B(s, m) for
-    B(s + 1, m). Sorted by start time (a valid dispatch order)."""
-    per_stage = stage_ops(num_stages, num_micro_batches, schedule)
-    S = num_stages
-    end: dict[tuple[int, str, int], float] = {}
-    pos = [0] * S
-    free = [0.0] * S
-    rows = []
-    remaining = sum(len(ops) for ops in per_stage)
-    while remaining:
-        progressed = False
-        for s in range(S):
-            while pos[s] < len(per_stage[s]):
-                kind, m = per_stage[s][pos[s]]
-                dep = (s - 1, "F", m) if kind == "F" else (s + 1, "B", m)
-                if kind == "F" and s == 0 or kind == "B" and s == S - 1:
-                    dep = None
-                if dep is not None and dep not in end:
-                    break
-                start = max(free[s], end[dep] if dep is not None else 0.0)
-                dur = forward_s[s] if kind == "F" else backward_s[s]
-                end[(s, kind, m)] = free[s] = start + dur
-                rows.append((s, kind, m, start, start + dur))
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # cannot happen for the schedules above
-            raise RuntimeError("pipeline schedule deadlocks")
-    rows.sort(key=lambda r: (r[3], r[0], r[1]))
-    return rows
-
-
-def dispatch_order(num_stages: int, num_micro_batches: int, schedule: str
-                   ) -> list[tuple[str, int, int]]:
-    """(kind, stage, micro-batch) in the order the host dispatches them: by start time in the
-    schedule with a backward taking twice a forward."""
-    rows = simulate(num_stages, num_micro_batches, schedule, [1.0] * num_stages,
-                    [2.0] * num_stages)
-    return [(k, s, m) for s, k, m, _, _ in rows]
-
+from shardplan.inter import stage_io
+from shardplan.inter import update as update_mod
+from shardplan.inter.submesh import STAGE_AXES
+from shardplan.strategies.spec import MeshShape, ShardSpec
 
 # -- the runtime ----------------------------------------------------------------------------------
 
@@ -128,16 +48,14 @@ class PipelineRuntime:
     """Runs a split step as a pipeline: stage s runs `ios[s]` on `meshes[s]`, its inputs laid
     out by `specs[s]` (forward value id -> PartitionSpec on the stage mesh)."""
 
-    def __init__(self, split: split_mod.SplitStep, ios: Sequence[split_mod.StageIO],
-                 meshes: Sequence, specs: Sequence[Mapping[int, P]], schedule: str = "1f1b"):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
+    def __init__(self, split: split_mod.SplitStep, ios: Sequence[stage_io.StageIO],
+                 meshes: Sequence, specs: Sequence[Mapping[int, P]], schedule: str):
         self.split, self.ios, self.meshes = split, tuple(ios), tuple(meshes)
         self.specs = tuple(dict(s) for s in specs)
         self.schedule = schedule
         self.num_stages = S = len(self.ios)
         g = split.forward
-        self._order = dispatch_order(S, split.num_micro_batches, schedule)
+        self._order = schedule_mod.dispatch_order(S, split.num_micro_batches, schedule)
         self._input_index = {v: i for i, v in enumerate(g.inputs)}
         self._diff_index = {v: k for k, v in enumerate(split.diff_values)}
         self._producer: dict[int, int] = {}
@@ -153,7 +71,7 @@ class PipelineRuntime:
         self.diff_home = tuple(
             next((s for s, io in enumerate(self.ios) if d in io.diff_in), 0)
             for d in split.diff_values)
-        self.update = split_mod.split_update(split, self.diff_home, S)
+        self.update = update_mod.split_update(split, self.diff_home, S)
         self._leaf_specs = self._place_leaves()
         self._programs: dict = {}
 
@@ -181,7 +99,7 @@ class PipelineRuntime:
             if src is None or src not in tied_out:
                 continue
             s = self.diff_home[k]
-            part = split_mod.update_slice(u, [u.outputs[tied_out[src]]], set())
+            part = update_mod.update_slice(u, [u.outputs[tied_out[src]]], set())
             for v in part.inputs:
                 i = u.inputs.index(v) if v in u.inputs else None
                 if (i is not None and i < sp.num_inputs and i not in sources
@@ -206,7 +124,7 @@ class PipelineRuntime:
     def _forward(self, s: int):
         sp, io = self.split, self.ios[s]
         g = sp.forward
-        fn = split_mod.stage_function(sp, io)
+        fn = stage_io.stage_function(sp, io)
         micro = set(sp.micro_leaves)
         cut = {k: self.value_sharding(s, v) for k, v in enumerate(io.const_in)
                if self._input_index.get(v) in micro}
@@ -227,7 +145,7 @@ class PipelineRuntime:
         gradients); the cotangents of an output read by several stages are summed here."""
         sp, io = self.split, self.ios[s]
         g = sp.forward
-        fouts = split_mod.float_outs(sp, io)
+        fouts = stage_io.float_outs(sp, io)
         seed = 1.0 / sp.num_micro_batches
         d_pos = [k for k, v in enumerate(io.diff_in) if v in self._diff_index]
         a_pos = [k for k, v in enumerate(io.diff_in) if v not in self._diff_index]
@@ -263,7 +181,7 @@ class PipelineRuntime:
 
         return jax.jit(zeros, out_shardings=shardings)
 
-    def _update_part(self, part: split_mod.UpdatePart, out_shardings):
+    def _update_part(self, part: update_mod.UpdatePart, out_shardings):
         run = split_mod.eval_nodes(self.split.update, part.nodes, part.inputs, part.outputs)
 
         def fn(*vals):
@@ -278,7 +196,7 @@ class PipelineRuntime:
         g = sp.forward
         outs = self._prep_targets(s)
         ins = sorted({v for nid in io.prep for v in g.nodes[nid].inputs if v in self._input_index})
-        run = split_mod.eval_nodes(g, io.prep, ins, [split_mod.prep_source(sp, v) for v in outs])
+        run = split_mod.eval_nodes(g, io.prep, ins, [stage_io.prep_source(sp, v) for v in outs])
         shardings = [self.value_sharding(s, v) for v in outs]
 
         def fn(*vals):
@@ -295,9 +213,8 @@ class PipelineRuntime:
                 and not (v in self._diff_index
                          and self.split.diff_sources[self._diff_index[v]] is not None)]
 
-    # -- one step -----------------------------------------------------------------------------
-
-    def __call__(self, *args):
+    def _check_args(self, args) -> list:
+        """The flat arguments, if they are the pytree and shapes the pipeline was planned for."""
         sp = self.split
         leaves, tree = jax.tree_util.tree_flatten(args)
         if tree != sp.traced.in_tree:
@@ -308,6 +225,23 @@ class PipelineRuntime:
                 raise ValueError(f"argument {name} has shape {tuple(np.shape(x))}, the pipeline "
                                  f"was planned for {tuple(a.shape)}: plan it again for these "
                                  "arguments")
+        return leaves
+
+    def _prepare(self, leaf_on) -> dict[tuple[int, int], jax.Array]:
+        """(stage, value) -> the stage's inputs computed from the state (its prep nodes)."""
+        prepared: dict[tuple[int, int], jax.Array] = {}
+        for s, io in enumerate(self.ios):
+            if io.prep:
+                prog, ins, outs = self._program(("prep", s), lambda s=s: self._prep(s))
+                vals = prog(*[leaf_on(s, self._input_index[v]) for v in ins])
+                prepared.update({(s, v): x for v, x in zip(outs, vals)})
+        return prepared
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def __call__(self, *args):
+        sp = self.split
+        leaves = self._check_args(args)
         S = self.num_stages
         placed: dict[tuple[int, int], jax.Array] = {}
 
@@ -316,12 +250,7 @@ class PipelineRuntime:
                 placed[(s, i)] = jax.device_put(leaves[i], self.leaf_sharding(s, i))
             return placed[(s, i)]
 
-        prepared: dict[tuple[int, int], jax.Array] = {}
-        for s, io in enumerate(self.ios):
-            if io.prep:
-                prog, ins, outs = self._program(("prep", s), lambda s=s: self._prep(s))
-                vals = prog(*[leaf_on(s, self._input_index[v]) for v in ins])
-                prepared.update({(s, v): x for v, x in zip(outs, vals)})
+        prepared = self._prepare(leaf_on)
 
         acts: dict[tuple[int, int, int], jax.Array] = {}
 
@@ -341,8 +270,8 @@ class PipelineRuntime:
         final_set = set(sp.forward.outputs)
         for kind, s, m in self._order:
             io = self.ios[s]
-            fouts = split_mod.float_outs(sp, io)
-            oouts = split_mod.other_outs(sp, io)
+            fouts = stage_io.float_outs(sp, io)
+            oouts = stage_io.other_outs(sp, io)
             if kind == "F":
                 prog = self._program(("F", s), lambda s=s: self._forward(s))
                 diff = [value(s, v, m) for v in io.diff_in]
@@ -373,6 +302,14 @@ class PipelineRuntime:
         micro-batches, and run the update on each stage."""
         sp = self.split
         g = sp.forward
+        grads = self._gradients(acc)
+        means = [jnp.mean(jnp.stack(finals[v]), axis=0) for v in g.outputs]
+        return self._update(leaf_on, grads, means)
+
+    def _gradients(self, acc) -> list:
+        """Each parameter's gradient on its home stage: the sum of every reading stage's."""
+        sp = self.split
+        g = sp.forward
         grads = []
         for k, d in enumerate(sp.diff_values):
             h = self.diff_home[k]
@@ -389,8 +326,12 @@ class PipelineRuntime:
                 val = g.values[d]
                 total = jax.device_put(np.zeros(val.shape, val.dtype), self.value_sharding(h, d))
             grads.append(total)
-        means = [jnp.mean(jnp.stack(finals[v]), axis=0) for v in g.outputs]
+        return grads
 
+    def _update(self, leaf_on, grads, means):
+        """Run the update on each stage: the reductions, then each stage's part; the step's
+        outputs."""
+        sp = self.split
         u = sp.update
         pos = sp.update_inputs()
         role: dict[int, tuple[str, int]] = {}
@@ -443,65 +384,26 @@ class PipelineRuntime:
         return jax.tree_util.tree_unflatten(sp.traced.out_tree, out_leaves)
 
 
-# -- the planned pipeline ------------------------------------------------------------------------
+# -- a planned pipeline on devices ---------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class PipelinePlan:
-    """A planned pipeline: the Plan (with stages), how it was chosen, and how to run it."""
+def stage_meshes(device_mesh, stages: Sequence) -> list:
+    """A jax Mesh (axes host, device) for each stage (its submesh_shape and devices ids), over
+    the devices of `device_mesh`."""
+    if device_mesh is None or isinstance(device_mesh, MeshShape):
+        raise ValueError("this pipeline was planned without devices (a MeshShape): plan it "
+                         "on a jax.sharding.Mesh to run it")
+    by_id = {d.id: d for d in np.asarray(device_mesh.devices).flat}
+    axis = jax.sharding.AxisType.Auto
+    return [jax.sharding.Mesh(np.array([by_id[i] for i in st.devices]).reshape(
+        st.submesh_shape), STAGE_AXES, axis_types=(axis, axis)) for st in stages]
 
-    plan: Plan
-    split: split_mod.SplitStep
-    ios: tuple[split_mod.StageIO, ...]
-    specs: tuple[dict, ...]
-    """Per stage: forward value id -> ShardSpec of the stage's inputs on its submesh."""
-    stage_times: tuple[tuple[float, float], ...]
-    """Per stage (forward, backward) seconds of one micro-batch (backward = 2/3 of the cost)."""
-    schedule: str
-    chosen: Candidate
-    alternatives: tuple[Candidate, ...]
-    notes: tuple[str, ...]
-    device_mesh: Any = None
-    _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    @property
-    def num_stages(self) -> int:
-        return len(self.ios)
-
-    @property
-    def num_micro_batches(self) -> int:
-        return self.split.num_micro_batches
-
-    def stage_meshes(self) -> list:
-        """A jax Mesh (axes host, device) for each stage, from the plan's device mesh."""
-        if self.device_mesh is None or isinstance(self.device_mesh, MeshShape):
-            raise ValueError("this pipeline was planned without devices (a MeshShape): plan it "
-                             "on a jax.sharding.Mesh to run it")
-        by_id = {d.id: d for d in np.asarray(self.device_mesh.devices).flat}
-        axis = jax.sharding.AxisType.Auto
-        return [jax.sharding.Mesh(np.array([by_id[i] for i in st.devices]).reshape(
-            st.submesh_shape), STAGE_AXES, axis_types=(axis, axis)) for st in self.plan.stages]
-
-    def runtime(self) -> PipelineRuntime:
-        if "runtime" not in self._cache:
-            specs = [{v: s.to_partition_spec() for v, s in sp.items()} for sp in self.specs]
-            self._cache["runtime"] = PipelineRuntime(
-                self.split, self.ios, self.stage_meshes(), specs, self.schedule)
-        return self._cache["runtime"]
-
-    def run(self, *args):
-        """One step on the pipeline: the same pytree fn(*args) returns."""
-        return self.runtime()(*args)
-
-    __call__ = run
-
-    def explain(self) -> str:
-        """Why this many stages: the chosen plan and the alternatives' estimated step times."""
-        return "\n".join(self.notes)
-
-    def timeline(self, path) -> str:
-        """A PNG Gantt chart of the schedule under the cost model; returns the path."""
-        from shardplan import timeline
-
-        return timeline.draw_timeline(self.stage_times, self.num_micro_batches, self.schedule,
-                                      path)
+def emit_pipeline(split: split_mod.SplitStep, ios: Sequence[stage_io.StageIO],
+                  specs: Sequence[Mapping[int, ShardSpec]], stages: Sequence, device_mesh,
+                  schedule: str) -> PipelineRuntime:
+    """The runtime of a planned pipeline (shardplan.inter.planner.PipelinePlan's fields): stage
+    s runs ios[s] on the submesh of stages[s], its inputs laid out by specs[s]."""
+    partition_specs = [{v: s.to_partition_spec() for v, s in sp.items()} for sp in specs]
+    return PipelineRuntime(split, ios, stage_meshes(device_mesh, stages), partition_specs,
+                           schedule)

@@ -17,6 +17,8 @@ import math
 
 import numpy as np
 
+from shardplan.cost.estimate import Estimate
+
 
 class NoFeasibleStagePlan(ValueError):
     """No split of the layers into stages runs within the memory budget on all the devices.
@@ -28,6 +30,22 @@ class NoFeasibleStagePlan(ValueError):
     def __init__(self, message: str, min_memory: float | None = None):
         super().__init__(message)
         self.min_memory = min_memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A pipeline stage as planned: its layers, the devices of its submesh, and its estimate."""
+
+    layers: tuple[int, int]
+    submesh_shape: tuple[int, ...]
+    devices: tuple[int, ...]
+    estimate: Estimate
+
+
+def device_span(devices) -> str:
+    """"0..3" for consecutive device ids, else "0,2,4"."""
+    d = list(devices)
+    return f"{d[0]}..{d[-1]}" if d == list(range(d[0], d[0] + len(d))) else ",".join(map(str, d))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

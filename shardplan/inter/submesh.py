@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+STAGE_AXES = ("host", "device")
+"""The axes of a stage's submesh: hosts x devices per host."""
+
 
 def submesh_shapes(num_hosts: int, devices_per_host: int) -> list[tuple[int, int]]:
     """Alpa's candidate submesh shapes, smallest first: (1, 1), (1, 2), (1, 4), ... up to

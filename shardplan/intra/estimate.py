@@ -8,9 +8,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from shardplan.cost import collectives
+from shardplan.cost.estimate import Estimate
 from shardplan.intra.problem import Problem, is_tensor
 from shardplan.ir.graph import Role
-from shardplan.plan import Estimate
 from shardplan.strategies.spec import ShardSpec
 
 

@@ -8,6 +8,10 @@ import itertools
 import math
 
 import numpy as np
+from ortools.linear_solver import pywraplp
+from ortools.sat.python import cp_model
+
+from shardplan.options import DEFAULTS
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -26,9 +30,9 @@ class SolverInput:
     edges: tuple[tuple[int, int, np.ndarray], ...] = ()
     memory_rows: tuple[tuple[tuple[int, np.ndarray], ...], ...] = ()
     memory_budget: float | None = None
-    time_limit_s: float = 30.0
-    seed: int = 0
-    workers: int = 1
+    time_limit_s: float = DEFAULTS.time_limit
+    seed: int = DEFAULTS.solver_seed
+    workers: int = DEFAULTS.workers
     hint: tuple[int, ...] | None = None
 
     @property
@@ -114,8 +118,6 @@ def _scale(inp: SolverInput) -> float:
 
 
 def _build(inp: SolverInput, minimise_memory: bool):
-    from ortools.sat.python import cp_model
-
     model = cp_model.CpModel()
     scale = _scale(inp)
     x = [[model.NewBoolVar(f"x{i}_{k}") for k in range(len(c))] for i, c in enumerate(inp.node_costs)]
@@ -172,8 +174,6 @@ def _build(inp: SolverInput, minimise_memory: bool):
 
 
 def _solver(inp: SolverInput):
-    from ortools.sat.python import cp_model
-
     solver = cp_model.CpSolver()
     p = solver.parameters
     p.random_seed = inp.seed
@@ -190,7 +190,6 @@ def _solver(inp: SolverInput):
 
 def _lp_relaxation(inp: SolverInput):
     """Solve the LP relaxation with GLOP: (per-node fractional choices, objective) or None."""
-    from ortools.linear_solver import pywraplp
 
     lp = pywraplp.Solver.CreateSolver("GLOP")
     if lp is None:
@@ -239,7 +238,6 @@ def _lp_relaxation(inp: SolverInput):
 
 def solve(inp: SolverInput) -> Solution:
     """The best choice CP-SAT finds within the time limit (optimal if it proves so)."""
-    from ortools.sat.python import cp_model
 
     if inp.num_nodes == 0:
         return Solution((), 0.0, 0.0, True, "empty")
@@ -275,7 +273,6 @@ def solve(inp: SolverInput) -> Solution:
 
 def min_memory(inp: SolverInput) -> float:
     """The smallest peak memory (max over rows) that any choice reaches."""
-    from ortools.sat.python import cp_model
 
     if not inp.memory_rows:
         return 0.0

@@ -10,12 +10,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from shardplan.cost.estimate import Estimate
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra import estimate as estimate_mod
-from shardplan.intra import ilp
+from shardplan.intra import experts, ilp
 from shardplan.intra.problem import IntraOptions, Problem, is_tensor
 from shardplan.ir.graph import Graph
-from shardplan.plan import Estimate
 from shardplan.strategies import coverage as coverage_mod
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
@@ -64,8 +64,6 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
     inputs pinned; keep the cheapest. A pinned problem is the free one with fewer choices, so
     it can only win when the free solve stopped at its time limit: the seeds are the guard
     that the plan is never worse than the experts' under the cost model."""
-    from shardplan.intra import seeds as seeds_mod
-
     candidates, notes, infeasible = [], [], None
     try:
         candidates.append(("searched", ilp.solve(inp)))
@@ -73,7 +71,7 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
         infeasible = e
     proven = bool(candidates) and candidates[0][1].optimal
     if options.seed_baselines and not options.fixed_inputs and not proven:
-        for name, fixed in seeds_mod.seeds(problem.graph, problem.mesh).items():
+        for name, fixed in experts.expert_inputs(problem.graph, problem.mesh).items():
             pinned = _pinned(problem, inp, fixed)
             if pinned is None:
                 continue

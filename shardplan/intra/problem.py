@@ -13,6 +13,7 @@ from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra import ilp
 from shardplan.intra.simplify import Groups, merge_followers, tie_layers
 from shardplan.ir.graph import Graph, Role, Value
+from shardplan.options import DEFAULTS
 from shardplan.strategies import registry
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec, enumerate_specs
@@ -21,9 +22,10 @@ from shardplan.strategies.spec import MeshShape, ShardSpec, enumerate_specs
 @dataclasses.dataclass(frozen=True)
 class IntraOptions:
     memory_budget: float | None = None
-    time_limit_s: float = 30.0
-    seed: int = 0
-    workers: int = 1
+    # time limit, solver seed and threads: SearchOptions' (shardplan.intra.options builds these)
+    time_limit_s: float = DEFAULTS.time_limit
+    seed: int = DEFAULTS.solver_seed
+    workers: int = DEFAULTS.workers
     memory_points: int = 6
     max_split_dims: int = 2
     # Fan-out members price a value's resharding once for all its consumers (as XLA runs it)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+from shardplan.models import base
 from shardplan.models.base import TrainStep
 
 # name -> (module, builder, sizes table); modules are imported on first use
@@ -42,8 +43,6 @@ def list_sizes(name: str) -> list[str]:
 
 def get_config(name: str, size: str = "tiny", *, batch_size: int | None = None, **overrides):
     """The frozen config get_model would build, with the same overrides applied."""
-    from shardplan.models import base
-
     _, sizes = _entry(name)
     return base.resolve_config(name, sizes, size, batch_size, overrides)
 

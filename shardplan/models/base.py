@@ -1,4 +1,5 @@
-"""The TrainStep every zoo model builds, and the helpers the models share to build one."""
+"""The TrainStep every zoo model builds, and the helpers the models share to build one. (The
+zoo's registry, get_model by name and size, is shardplan.models.)"""
 
 from __future__ import annotations
 

@@ -1,0 +1,132 @@
+"""What the `shardplan` command prints and writes: the progress of its phases, a run's
+summary and comparison tables, the bench table, plan.json / comparison.json / report.md."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from shardplan import bench, report
+from shardplan.config import Config
+from shardplan.units import fmt_bytes, fmt_seconds
+
+
+class Phases:
+    """A spinner naming the running phase with its elapsed time; each finished phase is logged
+    with its time (planning a large model takes minutes: the user sees which phase it is in)."""
+
+    def __init__(self, console):
+        self.console = console
+
+    @contextlib.contextmanager
+    def __call__(self, text: str):
+        start = time.perf_counter()
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+        live = self.console.is_terminal
+        try:
+            with (Progress(*columns, console=self.console, transient=True) if live
+                  else contextlib.nullcontext()) as progress:
+                if live:
+                    progress.add_task(text, total=None)
+                else:
+                    self.console.print(f"{text} ...")
+                yield
+        except BaseException:
+            self.console.print(f"[red]x[/red] {text} (failed after "
+                               f"{time.perf_counter() - start:.1f} s)")
+            raise
+        self.console.print(f"[green]done[/green] {text} ({time.perf_counter() - start:.1f} s)")
+
+
+def consoles(quiet: bool = False) -> tuple[Console, Console]:
+    """(stdout console, stderr console for progress; silent when quiet)."""
+    out = Console(width=None if sys.stdout.isatty() else 200)  # logs: no wrapped tables
+    err = Console(stderr=True, quiet=quiet)
+    return out, err
+
+
+def print_run(run, console) -> None:
+    """The plan's summary, its estimate against the budget, and the comparison table."""
+    plan, e = run.plan, run.plan.estimate
+    console.print(f"[bold]{escape(run.label)}[/bold] on [bold]{run.hardware}[/bold], mesh "
+                  f"[bold]{run.mesh}[/bold] ({plan.mesh.num_devices} devices), "
+                  f"{run.num_params / 1e6:,.1f} M parameters, {run.dtype}")
+    if len(run.meshes) > 1:
+        tried = ", ".join(f"{m}: {fmt_seconds(t) if isinstance(t, float) else t}"
+                          for m, t in run.meshes.items())
+        console.print(f"meshes tried (estimated step): {tried}")
+    console.print(plan.summary(), markup=False, highlight=False)
+    fits = "fits" if run.fits(e.peak_bytes) else "DOES NOT FIT"
+    console.print(f"estimate: {fmt_seconds(e.total_s)} per step, peak {fmt_bytes(e.peak_bytes)} "
+                  f"per device against a budget of {fmt_bytes(run.budget)}: {fits}")
+    if run.priced_plan is not None or run.baselines:
+        t = Table(title=f"plan vs baselines: XLA-compiled on CPU devices, priced as {run.hardware}")
+        for c in report.COMPARISON_HEADER:
+            t.add_column(c, justify="left" if c == "program" else "right")
+        for row in report.comparison_rows(run):
+            t.add_row(*(escape(c) for c in row))
+        console.print(t)
+        if run.ratio() is not None:
+            console.print(run.ratio_text())
+    if run.verification is not None:
+        t = Table(title="predicted vs compiled (the plan)")
+        for c in ("quantity", "predicted", "compiled", "compiled / predicted"):
+            t.add_column(c)
+        for row in report.verification_rows(run.verification):
+            t.add_row(*row)
+        for kind, (count, sent) in run.verification.collectives.items():
+            t.add_row(f"  {kind} x{count}", "", fmt_bytes(sent), "")
+        console.print(t)
+    for note in run.notes:
+        console.print(f"note: {escape(note)}")
+
+
+def write_outputs(config: Config, run, out_dir: str) -> list[str]:
+    """plan.json (and comparison.json), report.md and its plots."""
+    os.makedirs(out_dir, exist_ok=True)
+    formats = config.output.formats
+    written = []
+    if "json" in formats:
+        path = os.path.join(out_dir, "plan.json")
+        run.plan.save(path)
+        written.append(path)
+        path = os.path.join(out_dir, "comparison.json")
+        with open(path, "w") as f:
+            json.dump({
+                "config": config.model_dump(mode="json"), "hardware": run.hardware,
+                "budget": run.budget, "mesh": run.mesh, "search_s": run.search_s,
+                "estimate": run.plan.estimate.to_dict(),
+                "plan": run.priced_plan.to_dict() if run.priced_plan else None,
+                "baselines": {k: v if isinstance(v, str) else v.to_dict()
+                              for k, v in run.baselines.items()},
+                "ratio_plan_over_best_baseline": run.ratio(),
+                "best_baseline": (run.best_baseline() or [None])[0],
+                "best_baseline_fits": run.best_fits(), "meshes": dict(run.meshes),
+                "notes": list(run.notes),
+            }, f, indent=1)
+        written.append(path)
+    written += report.write_report(run, out_dir, formats)
+    return written
+
+
+def print_bench(rows: Sequence[bench.BenchRow], console) -> None:
+    """The bench table and the geometric mean of plan / best baseline."""
+    t = Table(title="shardplan bench: step time, plan vs baselines (XLA-compiled, priced)")
+    for c in bench.BENCH_HEADER:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*(escape(c) for c in bench.bench_cells(r)))
+    console.print(t)
+    ratios = [r.run.ratio() for r in rows if r.run is not None]
+    g = bench.geomean([x for x in ratios if x])
+    if g is not None:
+        console.print(f"geometric mean of plan / best baseline: {g:.3f}")

@@ -1,0 +1,84 @@
+"""Pipeline schedules, GPipe and 1F1B: the operations each stage runs, in order, and their
+simulation in time (the dispatch order of the runtime, the timeline, the stage DP's memory)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shardplan.options import BACKWARD_PER_FORWARD, check_schedule
+
+
+def split_stage_time(total_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of a micro-batch whose forward + backward take total_s."""
+    forward = total_s / (1.0 + BACKWARD_PER_FORWARD)
+    return forward, BACKWARD_PER_FORWARD * forward
+
+
+def stage_ops(num_stages: int, num_micro_batches: int, schedule: str) -> list[list[tuple[str, int]]]:
+    """Each stage's ("F" | "B", micro-batch) operations in the order it runs them.
+
+    GPipe: every forward, then every backward. 1F1B (PipeDream-flush): stage s runs
+    min(S - s - 1, B) forwards, then alternates one forward and one backward, then drains
+    the backwards; it keeps at most S - s micro-batches of activations alive.
+    """
+    S, B = int(num_stages), int(num_micro_batches)
+    check_schedule(schedule)
+    if S < 1 or B < 1:
+        raise ValueError(f"num_stages ({S}) and num_micro_batches ({B}) must be >= 1")
+    out = []
+    for s in range(S):
+        if schedule == "gpipe":
+            out.append([("F", m) for m in range(B)] + [("B", m) for m in range(B)])
+            continue
+        warm = min(S - s - 1, B)
+        ops = [("F", m) for m in range(warm)]
+        for k in range(B - warm):
+            ops += [("F", warm + k), ("B", k)]
+        ops += [("B", m) for m in range(B - warm, B)]
+        out.append(ops)
+    return out
+
+
+def simulate(num_stages: int, num_micro_batches: int, schedule: str,
+             forward_s: Sequence[float], backward_s: Sequence[float]
+             ) -> list[tuple[int, str, int, float, float]]:
+    """(stage, "F" | "B", micro-batch, start, end) of every operation when each stage runs its
+    operations in order and each waits for its inputs: F(s, m) for F(s - 1, m), B(s, m) for
+    B(s + 1, m). Sorted by start time (a valid dispatch order)."""
+    per_stage = stage_ops(num_stages, num_micro_batches, schedule)
+    S = num_stages
+    end: dict[tuple[int, str, int], float] = {}
+    pos = [0] * S
+    free = [0.0] * S
+    rows = []
+    remaining = sum(len(ops) for ops in per_stage)
+    while remaining:
+        progressed = False
+        for s in range(S):
+            while pos[s] < len(per_stage[s]):
+                kind, m = per_stage[s][pos[s]]
+                dep = (s - 1, "F", m) if kind == "F" else (s + 1, "B", m)
+                if kind == "F" and s == 0 or kind == "B" and s == S - 1:
+                    dep = None
+                if dep is not None and dep not in end:
+                    break
+                start = max(free[s], end[dep] if dep is not None else 0.0)
+                dur = forward_s[s] if kind == "F" else backward_s[s]
+                end[(s, kind, m)] = free[s] = start + dur
+                rows.append((s, kind, m, start, start + dur))
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for the schedules above
+            raise RuntimeError("pipeline schedule deadlocks")
+    rows.sort(key=lambda r: (r[3], r[0], r[1]))
+    return rows
+
+
+def dispatch_order(num_stages: int, num_micro_batches: int, schedule: str
+                   ) -> list[tuple[str, int, int]]:
+    """(kind, stage, micro-batch) in the order the host dispatches them: by start time in the
+    schedule with a backward taking BACKWARD_PER_FORWARD forwards."""
+    rows = simulate(num_stages, num_micro_batches, schedule, [1.0] * num_stages,
+                    [BACKWARD_PER_FORWARD] * num_stages)
+    return [(k, s, m) for s, k, m, _, _ in rows]

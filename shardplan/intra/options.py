@@ -1,0 +1,13 @@
+"""The intra-op planner's IntraOptions from the search's SearchOptions."""
+
+from __future__ import annotations
+
+from shardplan.intra.planner import IntraOptions
+from shardplan.options import SearchOptions
+
+
+def intra_options(options: SearchOptions, memory_budget: float | None = None) -> IntraOptions:
+    """IntraOptions with the solver settings of `options` and `memory_budget` (the ILP's
+    budget, which the measured selection may tighten below the search's)."""
+    return IntraOptions(memory_budget=memory_budget, time_limit_s=options.time_limit,
+                        seed=options.solver_seed, workers=options.workers)

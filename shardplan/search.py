@@ -1,0 +1,149 @@
+"""Search: a traced step -> a Plan. `plan_step` plans one program on a mesh (lift, cost model,
+intra-op ILP); `choose` also plans a pipeline (shardplan.inter) and keeps the cheaper. Used
+by shardplan.api, shardplan.measure and the CLI; nothing here compiles or runs a program.
+
+Import names from this module (`from shardplan.search import plan_step`): the attribute
+`shardplan.search` is the public function shardplan.api.search."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from shardplan.cost.hardware import HardwareProfile
+from shardplan.cost.model import AlphaBetaCost
+from shardplan.inter import split as split_mod
+from shardplan.inter import stages as stages_mod
+from shardplan.inter.planner import PipelinePlan, plan_pipeline
+from shardplan.inter.tables import Cluster
+from shardplan.intra.options import intra_options
+from shardplan.intra.planner import IntraPlan, plan_intra
+from shardplan.ir.graph import Graph
+from shardplan.ir.lift import LiftOptions, lift
+from shardplan.ir.trace import TracedStep, trace
+from shardplan.options import DEFAULTS, SearchOptions
+from shardplan.plan import OpRow, Plan
+from shardplan.strategies.spec import MeshShape
+from shardplan.units import fmt_seconds
+
+
+def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
+               options: SearchOptions, *, ilp_budget: float | None = None, device_mesh=None,
+               device_order=None, start: float | None = None) -> tuple[Plan, IntraPlan]:
+    """The intra-op plan of the lifted step `graph` on `mesh_shape`, the ILP held to
+    `ilp_budget` (default the options' memory budget; the plan reports the options' budget)."""
+    start = time.perf_counter() if start is None else start
+    cost = AlphaBetaCost(mesh_shape, hw, device_order)
+    budget = options.memory_budget if ilp_budget is None else ilp_budget
+    intra = plan_intra(graph, mesh_shape, cost, intra_options(options, budget))
+    ops = []
+    for node in graph.nodes:
+        s = intra.node_strategies[node.id]
+        c, k = cost.node_time(graph, node, s)
+        ops.append(OpRow(node.primitive, node.name, s.name, c, k))
+    plan = Plan(
+        mesh=mesh_shape, hardware=hw.name,
+        input_names=traced.arg_info.input_names, input_specs=intra.input_specs,
+        output_names=traced.arg_info.output_names, output_specs=intra.output_specs,
+        constraints={v: intra.value_specs[v] for v in sorted(intra.constrained)},
+        estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
+        memory_budget=options.memory_budget, ops=tuple(ops),
+        search_s=time.perf_counter() - start, notes=intra.notes,
+        solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, "
+               f"{intra.num_choices} choices",
+        in_tree=traced.in_tree, out_tree=traced.out_tree, device_mesh=device_mesh)
+    return plan, intra
+
+
+def plan_step(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
+              options: SearchOptions = DEFAULTS, *, device_mesh=None,
+              device_order: Sequence[int] | None = None) -> tuple[Plan, Graph, IntraPlan]:
+    """Plan one program of the traced step on `mesh_shape` priced as `hw`: (the Plan, the
+    lifted graph it is for, the intra-op plan). `device_mesh` (a jax Mesh) is kept in the plan
+    for its shardings; `device_order` (device ids in mesh order) places the links."""
+    start = time.perf_counter()
+    graph = lift(traced.closed_jaxpr, traced.arg_info, LiftOptions(while_trips=options.while_trips))
+    plan, intra = plan_graph(graph, traced, mesh_shape, hw, options, device_mesh=device_mesh,
+                             device_order=device_order, start=start)
+    return plan, graph, intra
+
+
+def pipeline_plan(pp: PipelinePlan, hw: HardwareProfile) -> Plan:
+    """The Plan of a planned pipeline (its stages, estimate and specs of the step's inputs)."""
+    traced = pp.split.traced
+    return Plan(
+        mesh=pp.mesh, hardware=hw.name, input_names=traced.arg_info.input_names,
+        input_specs=pp.input_specs, output_names=traced.arg_info.output_names,
+        output_specs=pp.output_specs, constraints={}, estimate=pp.estimate,
+        memory_budget=pp.memory_budget, stages=pp.stages, search_s=pp.search_s,
+        solver=pp.solver, notes=pp.notes, num_micro_batches=pp.num_micro_batches,
+        schedule=pp.schedule, in_tree=traced.in_tree, out_tree=traced.out_tree,
+        device_mesh=None)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Choice:
+    """Pipeline or not: the plan to run, the pipeline if chosen, and why."""
+
+    pipelined: bool
+    plan: Plan
+    pipeline: PipelinePlan | None
+    intra: Plan | None
+    explanation: str
+    intra_graph: Any = None
+    """The lifted step the intra-op plan is for (what shardplan.emit.jit.emit_jit runs)."""
+
+
+AUTO_PIPELINE = DEFAULTS.replace(pipeline="auto")
+
+
+def choose(fn, args: Sequence, mesh, hardware: HardwareProfile,
+           options: SearchOptions = AUTO_PIPELINE, *, traced: TracedStep | None = None) -> Choice:
+    """Compare the best pipeline of 2 or more stages (shardplan.inter.planner.plan_pipeline)
+    with pure intra-op parallelism (one stage on the whole mesh, plan_step) and return the
+    cheaper, unless options.pipeline is True (pipeline) or False (intra-op only). `mesh` is a
+    jax Mesh, or a MeshShape or device count to plan without devices."""
+    cluster = Cluster.of(mesh, hardware)
+    if traced is None:
+        traced = trace(fn, tuple(args), options.state_argnums, options.batch_argnums)
+    if options.pipeline is True:
+        pp = plan_pipeline(fn, args, mesh, hardware, options,
+                           min_stages=2 if options.num_stages is None else 1, traced=traced)
+        text = "pipeline=True\n" + pp.explain()
+        return Choice(True, _with_notes(pipeline_plan(pp, hardware), text.splitlines(),
+                                        replace=True), pp, None, text)
+    real = not isinstance(mesh, (MeshShape, int))
+    shape = MeshShape.of(mesh) if real else (mesh if isinstance(mesh, MeshShape) else
+                                             MeshShape(("devices",), (cluster.num_devices,)))
+    intra, graph, _ = plan_step(traced, shape, hardware, options.replace(measure=False),
+                                device_mesh=mesh if real else None,
+                                device_order=list(cluster.device_ids))
+    intra_total = intra.estimate.total_s
+    if options.pipeline is False:
+        text = f"pipeline=False: pure intra-op, estimated step {fmt_seconds(intra_total)}"
+        return Choice(False, _with_notes(intra, (text,)), None, intra, text, graph)
+    try:
+        pp = plan_pipeline(fn, args, mesh, hardware, options, min_stages=2,
+                           intra_total=intra_total, traced=traced)
+    except (split_mod.PipelineSplitError, stages_mod.NoFeasibleStagePlan) as e:
+        text = (f"one stage (pure intra-op, estimated step {fmt_seconds(intra_total)}): "
+                f"no pipeline was possible: {e}")
+        return Choice(False, _with_notes(intra, (text,)), None, intra, text, graph)
+    if pp.chosen.total_s < intra_total:
+        text = (f"{pp.num_stages} pipeline stages: {fmt_seconds(pp.chosen.total_s)} per step "
+                f"against {fmt_seconds(intra_total)} for pure intra-op\n" + pp.explain())
+        plan = _with_notes(pipeline_plan(pp, hardware), text.splitlines(), replace=True)
+        return Choice(True, plan, pp, intra, text, graph)
+    lines = [(f"one stage (pure intra-op): {fmt_seconds(intra_total)} per step, the best "
+              f"pipeline takes {fmt_seconds(pp.chosen.total_s)}")]
+    lines += [x.replace("  <- chosen", "") for x in pp.explain().splitlines()[
+        1 + pp.num_stages:]]
+    text = "\n".join(lines)
+    return Choice(False, _with_notes(intra, lines), pp, intra, text, graph)
+
+
+def _with_notes(plan: Plan, notes, replace: bool = False) -> Plan:
+    kept = () if replace else tuple(plan.notes)
+    return dataclasses.replace(plan, notes=kept + tuple(notes))
