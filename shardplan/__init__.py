@@ -5,7 +5,9 @@ from shardplan.grad import grad, stage_boundary, value_and_grad
 from shardplan.intra.ilp import InfeasibleMemory
 from shardplan.options import SearchOptions
 from shardplan.plan import Estimate, Plan, load_plan
+from shardplan.strategies.coverage import Coverage
+from shardplan.timeline import draw_plan as draw_timeline
 
-__all__ = ["AutoStep", "Estimate", "InfeasibleMemory", "Plan", "SearchOptions", "auto",
-           "coverage", "grad",
-           "load_plan", "search", "stage_boundary", "value_and_grad"]
+__all__ = ["AutoStep", "Coverage", "Estimate", "InfeasibleMemory", "Plan", "SearchOptions",
+           "auto", "coverage", "draw_timeline", "grad", "load_plan", "search", "stage_boundary",
+           "value_and_grad"]

@@ -12,6 +12,9 @@ import sys
 
 MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
 MODELS = ("bert", "gpt", "llama", "mlp", "moe", "vit", "wresnet")
+# A plan is a golden only where the solver proves it optimal: a solve stopped by its time limit
+# depends on the machine's load (bert on 2x4 took 168 s and stopped there).
+UNPROVEN = {("bert", "2x4")}
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 
 
@@ -26,7 +29,8 @@ def plan_specs(model: str, mesh: str) -> dict:
                             batch_argnums=step.batch_argnums, time_limit=30.0)
     return {"inputs": [str(s) for s in plan.input_specs],
             "outputs": [str(s) for s in plan.output_specs],
-            "constraints": {str(v): str(s) for v, s in sorted(plan.constraints.items())}}
+            "constraints": {str(v): str(s) for v, s in sorted(plan.constraints.items())},
+            "optimal": "optimal" in plan.solver}
 
 
 def path(model: str, mesh: str) -> pathlib.Path:
@@ -40,5 +44,8 @@ if __name__ == "__main__":
     GOLDEN.mkdir(exist_ok=True)
     for model in (sys.argv[1:] or MODELS):
         for mesh in MESHES:
-            path(model, mesh).write_text(json.dumps(plan_specs(model, mesh), indent=1) + "\n")
-            print("wrote", path(model, mesh))
+            if (model, mesh) in UNPROVEN:
+                continue
+            specs = plan_specs(model, mesh)
+            path(model, mesh).write_text(json.dumps(specs, indent=1) + "\n")
+            print("wrote", path(model, mesh), "" if specs["optimal"] else "NOT PROVEN OPTIMAL")

@@ -9,8 +9,12 @@ import pytest
 from tests import golden_plans
 
 
-@pytest.mark.parametrize("mesh", sorted(golden_plans.MESHES))
-@pytest.mark.parametrize("model", golden_plans.MODELS)
+CASES = [(model, mesh) for model in golden_plans.MODELS for mesh in sorted(golden_plans.MESHES)
+         if (model, mesh) not in golden_plans.UNPROVEN]
+
+
+@pytest.mark.parametrize(("model", "mesh"), CASES, ids=[f"{m}-{n}" for m, n in CASES])
 def test_plan_matches_golden(model, mesh):
     want = json.loads(golden_plans.path(model, mesh).read_text())
+    assert want["optimal"], "a golden plan must be proven optimal (else it depends on the load)"
     assert golden_plans.plan_specs(model, mesh) == want
