@@ -8,7 +8,6 @@ import pytest
 
 from tests import golden_plans
 
-
 CASES = [(model, mesh) for model in golden_plans.MODELS for mesh in sorted(golden_plans.MESHES)
          if (model, mesh) not in golden_plans.UNPROVEN]
 

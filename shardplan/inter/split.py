@@ -21,8 +21,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan import _compat
-
 # from-imports: once shardplan exports the function `grad`, the attribute shardplan.grad
 # is no longer this module
 from shardplan.grad import (
@@ -34,6 +32,7 @@ from shardplan.grad import (
     ReplayUpdate,
     intercepting,
 )
+from shardplan.ir import interpret
 from shardplan.ir.graph import Graph, Node, Role
 from shardplan.ir.lift import ArgInfo, LiftOptions, lift
 from shardplan.ir.trace import TracedStep, trace
@@ -279,25 +278,15 @@ def _input_ancestors(graph: Graph, nodes: Sequence[Node]) -> set[int]:
 def eval_nodes(graph: Graph, node_ids: Sequence[int], in_vids: Sequence[int],
                out_vids: Sequence[int]):
     """A function of the values `in_vids` returning the values `out_vids`, running the given
-    nodes of `graph` in order (shardplan's marks run as identities)."""
-    consts = set(graph.consts)
-    nodes = [graph.nodes[i] for i in node_ids]
+    nodes of `graph` in order with the one jaxpr interpreter (shardplan's marks run as
+    identities)."""
     in_vids, out_vids = tuple(in_vids), tuple(out_vids)
 
     def run(*vals):
         env = dict(zip(in_vids, vals))
-
-        def read(v):
-            val = graph.values[v]
-            if val.is_literal or v in consts:
-                return val.const
-            return env[v]
-
-        for node in nodes:
-            ins = [read(v) for v in node.inputs]
-            outs = ins if is_marker(node) else _compat.bind_eqn(node.eqn, ins)
-            env.update(zip(node.outputs, outs))
-        return [read(v) for v in out_vids]
+        env.update((v, graph.values[v].const) for v in graph.consts)
+        interpret.evaluate(graph, node_ids, env, identity=is_marker)
+        return [interpret.read(graph, env, v) for v in out_vids]
 
     return run
 

@@ -8,13 +8,13 @@ hooks reach the values inside the body on every iteration.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
 
 from shardplan import _compat
-from shardplan.ir.graph import Graph, Loop
+from shardplan.ir.graph import Graph, Loop, Node
 
 
 class Hooks(Protocol):
@@ -33,7 +33,8 @@ class NoHooks:
         return x
 
 
-def _read(graph: Graph, env: dict, v: int):
+def read(graph: Graph, env: dict, v: int):
+    """Value `v` from `env`, or its constant for a literal."""
     val = graph.values[v]
     return val.const if val.is_literal else env[v]
 
@@ -42,10 +43,11 @@ NO_HOOKS = NoHooks()
 
 
 def evaluate(graph: Graph, node_ids: Sequence[int], env: dict, hooks: Hooks = NO_HOOKS,
-             level: int | None = None) -> dict:
+             level: int | None = None, identity: Callable[[Node], bool] | None = None) -> dict:
     """Run the nodes `node_ids` (program order) of loop level `level` (None: the top), reading
     and writing `env` (value id -> array or tracer). A node of a nested loop runs that loop
-    whole, once, where its first node appears."""
+    whole, once, where its first node appears. Nodes `identity` picks pass their inputs on
+    (the pipeline splitter's stage marks)."""
     done: set[int] = set()
     for nid in node_ids:
         node = graph.nodes[nid]
@@ -59,8 +61,8 @@ def evaluate(graph: Graph, node_ids: Sequence[int], env: dict, hooks: Hooks = NO
             continue
         if node.eqn is None:  # a pseudo-node of this level's own loop: structure only
             continue
-        ins = [hooks.operand(nid, i, _read(graph, env, v)) for i, v in enumerate(node.inputs)]
-        outs = _compat.bind_eqn(node.eqn, ins)
+        ins = [hooks.operand(nid, i, read(graph, env, v)) for i, v in enumerate(node.inputs)]
+        outs = ins if identity is not None and identity(node) else _compat.bind_eqn(node.eqn, ins)
         for v, out in zip(node.outputs, outs):
             env[v] = hooks.value(v, out)
     return env
@@ -72,7 +74,7 @@ def run(graph: Graph, flat_args: Sequence, hooks: Hooks = NO_HOOKS) -> list:
     for v in graph.consts:
         env[v] = graph.values[v].const
     evaluate(graph, range(len(graph.nodes)), env, hooks)
-    return [_read(graph, env, v) for v in graph.outputs]
+    return [read(graph, env, v) for v in graph.outputs]
 
 
 def _body_fn(graph: Graph, loop: Loop, b: int, env: dict, hooks: Hooks, bound: Sequence[int],
@@ -86,7 +88,7 @@ def _body_fn(graph: Graph, loop: Loop, b: int, env: dict, hooks: Hooks, bound: S
         for v, x in zip(bound, vals):
             inner[v] = hooks.value(v, x)
         evaluate(graph, body.nodes, inner, hooks, loop.id)
-        outs = [_read(graph, inner, v) for v in body.outvars]
+        outs = [read(graph, inner, v) for v in body.outvars]
         return [hooks.value(t, x) if t is not None else x
                 for t, x in zip(outs_to, outs)]
 
@@ -94,7 +96,7 @@ def _body_fn(graph: Graph, loop: Loop, b: int, env: dict, hooks: Hooks, bound: S
 
 
 def _run_loop(graph: Graph, loop: Loop, env: dict, hooks: Hooks) -> None:
-    ops = [_read(graph, env, v) for v in loop.operands]
+    ops = [read(graph, env, v) for v in loop.operands]
     params = loop.eqn.params
     carries = loop.carry_values(graph)
     nc = loop.num_carry
