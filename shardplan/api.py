@@ -23,7 +23,8 @@ from shardplan.plan import OpRow, Plan
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
-from shardplan.units import parse_bytes
+from shardplan.intra.memory import MARGIN as MEMORY_MARGIN
+from shardplan.units import Deadline, parse_bytes
 
 DEFAULT_PROFILE = {"tpu": "tpu-v4", "gpu": "a100-80gb", "cuda": "a100-80gb", "rocm": "a100-80gb",
                    "cpu": "cpu"}
@@ -60,8 +61,17 @@ def _signature(args) -> tuple:
 
 
 def _plan_traced(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile, options: Options,
-                 device_mesh=None, device_order=None) -> tuple[Plan, object, IntraPlan]:
+                 device_mesh=None, device_order=None,
+                 donate_argnums: Sequence[int] | None = None) -> tuple[Plan, object, IntraPlan]:
+    """`donate_argnums`: the arguments the compiled step donates (None: its state, as a
+    plan for a cluster assumes); the memory model counts an undonated state output twice."""
     start = time.perf_counter()
+    deadline = Deadline(options.time_limit)
+    donated = None
+    if donate_argnums is not None:
+        counts = traced.arg_leaf_counts
+        donated = frozenset(j for a in donate_argnums
+                            for j in range(sum(counts[:a]), sum(counts[:a + 1])))
     graph = lift(traced.closed_jaxpr, traced.arg_info)
     cost = AlphaBetaCost(mesh_shape, hw, device_order)
     budget = options.memory_budget
@@ -69,7 +79,8 @@ def _plan_traced(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
     def plan_for(ilp_budget) -> tuple[Plan, IntraPlan]:
         intra = plan_intra(graph, mesh_shape, cost, IntraOptions(
             memory_budget=ilp_budget, time_limit_s=options.time_limit, seed=options.seed,
-            workers=options.workers))
+            workers=options.workers, deadline=deadline, donated=donated,
+            memory_margin=MEMORY_MARGIN))
         ops = []
         for node in graph.nodes:
             s = intra.node_strategies[node.id]
@@ -159,7 +170,8 @@ class AutoStep:
                 plan, graph = dataclasses.replace(choice.plan, device_mesh=mesh), choice.intra_graph
             else:
                 plan, graph, _ = _plan_traced(traced, MeshShape.of(mesh), hw, self.options,
-                                              device_mesh=mesh, device_order=order)
+                                              device_mesh=mesh, device_order=order,
+                                              donate_argnums=self.options.donate_argnums)
             jitted, _, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
                                     plan.input_specs, plan.output_specs, plan.constraints,
                                     plan.operand_specs, self.options.donate_argnums)

@@ -27,7 +27,7 @@ import numpy as np
 from shardplan.analysis import hlo
 from shardplan.analysis.price import PricedStep, price
 from shardplan.cost.hardware import HardwareProfile
-from shardplan.intra.ilp import InfeasibleMemory
+from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
 from shardplan.ir.graph import Graph, Role
 from shardplan.plan import Estimate, Plan
 from shardplan.strategies.spec import ShardSpec
@@ -171,6 +171,10 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
         except InfeasibleMemory as e:
             stopped = (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: no "
                        f"plan fits it (the least any needs is {fmt_bytes(e.min_bytes)})")
+            break
+        except SearchTimeout:
+            stopped = (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: the "
+                       "time limit ran out")
             break
         candidates.append(run(f"searched-{k + 1} (ILP budget {fmt_bytes(ilp_budget)})", again))
     for name, p in expert_plans(graph, plan).items():
