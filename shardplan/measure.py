@@ -206,6 +206,10 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     if not fitting and memory_budget is not None:
         note += (f": no compiled program fits {fmt_bytes(memory_budget)} per device, this one "
                  "needs the least")
+        # Never returned as fitting: its estimate is the compiled peak, over the budget.
+        warnings.warn(f"shardplan: no plan compiles within the memory budget of "
+                      f"{fmt_bytes(memory_budget)} per device; the plan returned needs "
+                      f"{fmt_bytes(best.priced.peak_bytes)} (see plan.notes)", stacklevel=3)
     solver = (best.plan.solver if best.name.startswith("searched")
               else f"{best.plan.solver}; searched: {plan.solver}")
     kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),

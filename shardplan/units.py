@@ -53,16 +53,23 @@ def fmt_seconds(s: float) -> str:
 @dataclasses.dataclass(frozen=True)
 class Deadline:
     """The wall-clock time a whole search must end by: made once by whoever was given the
-    limit, passed down, and asked what remains (every stage gets only that)."""
+    limit, passed down, and asked what remains (every stage gets only that).
+
+    No stage starts after `limit_s` (expired); a solve already running may finish its work
+    within a grace of `grace` x limit_s more (remaining counts to there), so the whole search
+    ends within (1 + grace) x limit_s of the start."""
 
     limit_s: float
+    grace: float = 0.2
     start: float = dataclasses.field(default_factory=time.monotonic)
 
     def remaining(self) -> float:
-        return max(0.0, self.start + self.limit_s - time.monotonic())
+        """Seconds a running solve may still take."""
+        return max(0.0, self.start + self.limit_s * (1 + self.grace) - time.monotonic())
 
     def expired(self) -> bool:
-        return self.remaining() <= 0.0
+        """True once no new stage should start."""
+        return time.monotonic() >= self.start + self.limit_s
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start

@@ -100,8 +100,15 @@ def test_cp_sat_gets_only_what_remains():
     inp = memory_problem(3)
     inp = dataclasses.replace(inp, time_limit_s=30.0, deadline=Deadline(1.5))
     p = ilp._solver(inp).parameters
-    assert p.max_time_in_seconds <= 1.5
+    assert p.max_time_in_seconds <= 1.5 * 1.2  # the limit and its grace, no more
     assert p.max_deterministic_time == 30.0  # the same plan when the limit is generous
+
+
+def test_deadline_stops_new_stages_at_the_limit_and_solves_at_its_grace():
+    d = Deadline(10.0, start=time.monotonic() - 10.5)
+    assert d.expired()
+    assert 0 < d.remaining() <= 1.5
+    assert Deadline(0.0).remaining() == 0.0
 
 
 def test_infeasible_message_formats_small_budgets():

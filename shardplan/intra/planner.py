@@ -87,10 +87,18 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
                 continue
             if deadline is not None and deadline.expired():
                 skipped.append(name)
-                obj, peak = ilp.evaluate(pinned, pinned.hint)
-                if np.isfinite(obj) and (inp.memory_budget is None or peak <= inp.memory_budget):
+                # The expert's inputs, every other node at its cheapest or as a greedy pass
+                # propagates them (as XLA would): kept if it fits.
+                fits = []
+                for choice in (pinned.hint, *ilp.greedy_choices(pinned)):
+                    obj, peak = ilp.evaluate(pinned, choice)
+                    if np.isfinite(obj) and (inp.memory_budget is None
+                                             or peak <= inp.memory_budget):
+                        fits.append((obj, choice, peak))
+                if fits:
+                    obj, choice, peak = min(fits)
                     candidates.append((f"{name} (pinned, not searched)",
-                                       ilp.Solution(pinned.hint, obj, peak, False, "pinned")))
+                                       ilp.Solution(choice, obj, peak, False, "pinned")))
                 continue
             try:
                 candidates.append((f"{name}-seeded", ilp.solve(pinned)))
