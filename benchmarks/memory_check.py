@@ -49,11 +49,9 @@ def compiled_peak(auto_step, args) -> int:
 def data_parallel_peak(step, mesh) -> int:
     """The compiled peak of the data-parallel expert plan (state replicated, batch split)."""
     from shardplan import measure
-    from shardplan.api import _plan_traced
     from shardplan.analysis import hlo
+    from shardplan.api import Options, _plan_traced
     from shardplan.cost.hardware import get_profile
-    from shardplan.api import Options
-    from shardplan.ir.lift import lift
     from shardplan.ir.trace import trace
     from shardplan.strategies.spec import MeshShape
 
@@ -61,7 +59,6 @@ def data_parallel_peak(step, mesh) -> int:
     plan, graph, _ = _plan_traced(traced, MeshShape.of(mesh), get_profile("cpu"), Options(),
                                   device_mesh=mesh)
     dp = measure.expert_plans(graph, plan)["data_parallel"]
-    del lift
     return hlo.analyze(measure.compile_plan(graph, traced, dp, mesh,
                                             step.state_argnums)).peak_bytes
 
@@ -96,15 +93,15 @@ def check(model: str, mesh_name: str, measure: bool = False):
         try:
             plan = auto_step.plan(*step.args)
         except Exception as e:  # noqa: BLE001 - report the row, go on
-            rows.append(dict(model=model, mesh=mesh_name, budget=budget, estimate=float("nan"),
-                             peak=float("nan"), fits=None, min=low, dp=high,
-                             error=f"{type(e).__name__}: {str(e)[:120]}"))
+            rows.append({"model": model, "mesh": mesh_name, "budget": budget,
+                         "estimate": float("nan"), "peak": float("nan"), "fits": None,
+                         "min": low, "dp": high, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
         peak = compiled_peak(auto_step, step.args)
-        rows.append(dict(model=model, mesh=mesh_name, budget=budget,
-                         estimate=plan.estimate.peak_bytes, peak=peak,
-                         fits=peak <= budget, min=low, dp=high,
-                         seconds=time.perf_counter() - t))
+        rows.append({"model": model, "mesh": mesh_name, "budget": budget,
+                     "estimate": plan.estimate.peak_bytes, "peak": peak,
+                     "fits": peak <= budget, "min": low, "dp": high,
+                     "seconds": time.perf_counter() - t})
     return rows
 
 

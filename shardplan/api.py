@@ -16,6 +16,7 @@ from shardplan import _compat
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.emit.jit import emit_jit
+from shardplan.intra.memory import MARGIN as MEMORY_MARGIN
 from shardplan.intra.planner import IntraOptions, IntraPlan, plan_intra
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
@@ -23,7 +24,6 @@ from shardplan.plan import OpRow, Plan
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
-from shardplan.intra.memory import MARGIN as MEMORY_MARGIN
 from shardplan.units import Deadline, parse_bytes
 
 DEFAULT_PROFILE = {"tpu": "tpu-v4", "gpu": "a100-80gb", "cuda": "a100-80gb", "rocm": "a100-80gb",

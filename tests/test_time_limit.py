@@ -43,8 +43,8 @@ def deep(layers=60):
     params = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * layers
     x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
     # params and momentum: 1.9 MiB replicated; the budget needs them sharded
-    return step, (params, jax.eval_shape(opt.init, params), x, x), dict(
-        state_argnums=(0, 1), donate_argnums=(0, 1), memory_budget="1MiB")
+    return step, (params, jax.eval_shape(opt.init, params), x, x), {
+        "state_argnums": (0, 1), "donate_argnums": (0, 1), "memory_budget": "1MiB"}
 
 
 @pytest.mark.slow

@@ -3,13 +3,10 @@ plan expects, for checking against the compiled program) and peak memory per dev
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from shardplan.cost import collectives
 from shardplan.intra.problem import Problem, is_tensor
 from shardplan.ir.graph import Role
 from shardplan.plan import Estimate
-from shardplan.strategies.spec import ShardSpec
 
 
 def peak_bytes(problem: Problem, chosen) -> float:
