@@ -2,12 +2,12 @@
 
 from shardplan.api import AutoStep, auto, coverage, search
 from shardplan.grad import grad, stage_boundary, value_and_grad
-from shardplan.intra.ilp import InfeasibleMemory
+from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
 from shardplan.options import SearchOptions
 from shardplan.plan import Estimate, Plan, load_plan
 from shardplan.strategies.coverage import Coverage
 from shardplan.timeline import draw_plan as draw_timeline
 
-__all__ = ["AutoStep", "Coverage", "Estimate", "InfeasibleMemory", "Plan", "SearchOptions",
+__all__ = ["AutoStep", "Coverage", "Estimate", "InfeasibleMemory", "Plan", "SearchOptions", "SearchTimeout",
            "auto", "coverage", "draw_timeline", "grad", "load_plan", "search", "stage_boundary",
            "value_and_grad"]

@@ -93,7 +93,8 @@ class AutoStep:
         else:
             plan, graph, _ = measure.plan_measured(traced, MeshShape.of(mesh), hw, o,
                                                    device_mesh=mesh,
-                                                   device_order=[d.id for d in mesh.devices.flat])
+                                                   device_order=[d.id for d in mesh.devices.flat],
+                                                   donate_argnums=self.donate_argnums)
         jitted, _, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
                                 plan.input_specs, plan.output_specs, plan.constraints,
                                 plan.operand_specs, self.donate_argnums)

@@ -33,15 +33,15 @@ from shardplan.analysis.price import PricedStep, price
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.emit.jit import emit_jit
 from shardplan.intra import experts
-from shardplan.intra.ilp import InfeasibleMemory
+from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
 from shardplan.intra.planner import IntraPlan
 from shardplan.ir.graph import Graph, Role
 from shardplan.ir.trace import TracedStep
 from shardplan.options import SearchOptions
 from shardplan.plan import Estimate, Plan
-from shardplan.search import plan_graph, plan_step
+from shardplan.search import donated_inputs, plan_graph, plan_step
 from shardplan.strategies.spec import MeshShape, ShardSpec
-from shardplan.units import fmt_bytes, fmt_seconds
+from shardplan.units import Deadline, fmt_bytes, fmt_seconds
 
 # Only the partitioned HLO, its buffer assignment and cost analysis are read from the
 # compiled programs, never run: LLVM's optimisations of the CPU code are wasted time. These
@@ -223,6 +223,9 @@ def _recalibrate(candidates: list[MeasuredProgram], run, memory_budget: float | 
         except InfeasibleMemory as e:
             return (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: no "
                     f"plan fits it (the least any needs is {fmt_bytes(e.min_bytes)})")
+        except SearchTimeout:
+            return (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: the "
+                    "time limit ran out")
         candidates.append(run(f"searched-{k + 1} (ILP budget {fmt_bytes(ilp_budget)})", again))
     return ""
 
@@ -262,23 +265,32 @@ def _kept_note(best: MeasuredProgram, fitting: bool, memory_budget: float | None
     if not fitting and memory_budget is not None:
         note += (f": no compiled program fits {fmt_bytes(memory_budget)} per device, this one "
                  "needs the least")
+        # Never returned as fitting: its estimate is the compiled peak, over the budget.
+        warnings.warn(f"shardplan: no plan compiles within the memory budget of "
+                      f"{fmt_bytes(memory_budget)} per device; the plan returned needs "
+                      f"{fmt_bytes(best.priced.peak_bytes)} (see plan.notes)", stacklevel=4)
     return note
 
 
 def plan_measured(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
                   options: SearchOptions, *, device_mesh=None,
-                  device_order: Sequence[int] | None = None) -> tuple[Plan, Graph, IntraPlan]:
+                  device_order: Sequence[int] | None = None,
+                  donate_argnums: Sequence[int] | None = None) -> tuple[Plan, Graph, IntraPlan]:
     """shardplan.search.plan_step, then (with options.measure) the measured selection on
-    `device_mesh`, or on CPU devices standing in for the cluster."""
+    `device_mesh`, or on CPU devices standing in for the cluster; one deadline for both."""
     start = time.perf_counter()
+    deadline = Deadline(options.time_limit)
     plan, graph, intra = plan_step(traced, mesh_shape, hw, options, device_mesh=device_mesh,
-                                   device_order=device_order)
+                                   device_order=device_order, deadline=deadline,
+                                   donate_argnums=donate_argnums)
     if not options.measure:
         return plan, graph, intra
 
     def replan(ilp_budget: float) -> Plan:
         return plan_graph(graph, traced, mesh_shape, hw, options, ilp_budget=ilp_budget,
-                          device_mesh=device_mesh, device_order=device_order, start=start)[0]
+                          device_mesh=device_mesh, device_order=device_order, start=start,
+                          deadline=deadline,
+                          donated=donated_inputs(traced, donate_argnums))[0]
 
     mesh = device_mesh if device_mesh is not None else cpu_mesh(mesh_shape)
     plan, _ = select(graph, traced, plan, mesh, hw, memory_budget=options.memory_budget,

@@ -26,18 +26,20 @@ from shardplan.ir.trace import TracedStep, trace
 from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.plan import OpRow, Plan
 from shardplan.strategies.spec import MeshShape
-from shardplan.units import fmt_seconds
+from shardplan.units import Deadline, fmt_seconds
 
 
 def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
                options: SearchOptions, *, ilp_budget: float | None = None, device_mesh=None,
-               device_order=None, start: float | None = None) -> tuple[Plan, IntraPlan]:
+               device_order=None, start: float | None = None, deadline: Deadline | None = None,
+               donated: frozenset[int] | None = None) -> tuple[Plan, IntraPlan]:
     """The intra-op plan of the lifted step `graph` on `mesh_shape`, the ILP held to
     `ilp_budget` (default the options' memory budget; the plan reports the options' budget)."""
     start = time.perf_counter() if start is None else start
     cost = AlphaBetaCost(mesh_shape, hw, device_order)
     budget = options.memory_budget if ilp_budget is None else ilp_budget
-    intra = plan_intra(graph, mesh_shape, cost, intra_options(options, budget))
+    intra = plan_intra(graph, mesh_shape, cost,
+                       intra_options(options, budget, deadline=deadline, donated=donated))
     ops = []
     for node in graph.nodes:
         s = intra.node_strategies[node.id]
@@ -59,15 +61,29 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
 
 def plan_step(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
               options: SearchOptions = DEFAULTS, *, device_mesh=None,
-              device_order: Sequence[int] | None = None) -> tuple[Plan, Graph, IntraPlan]:
+              device_order: Sequence[int] | None = None, deadline: Deadline | None = None,
+              donate_argnums: Sequence[int] | None = None) -> tuple[Plan, Graph, IntraPlan]:
     """Plan one program of the traced step on `mesh_shape` priced as `hw`: (the Plan, the
     lifted graph it is for, the intra-op plan). `device_mesh` (a jax Mesh) is kept in the plan
-    for its shardings; `device_order` (device ids in mesh order) places the links."""
+    for its shardings; `device_order` (device ids in mesh order) places the links; `deadline`
+    (default: the options' time limit from now) bounds the whole search; `donate_argnums`: the
+    arguments the compiled step donates (None: its state, as a plan for a cluster assumes; the
+    memory model counts an undonated state output twice)."""
     start = time.perf_counter()
+    deadline = deadline or Deadline(options.time_limit)
     graph = lift(traced.closed_jaxpr, traced.arg_info, LiftOptions(while_trips=options.while_trips))
     plan, intra = plan_graph(graph, traced, mesh_shape, hw, options, device_mesh=device_mesh,
-                             device_order=device_order, start=start)
+                             device_order=device_order, start=start, deadline=deadline,
+                             donated=donated_inputs(traced, donate_argnums))
     return plan, graph, intra
+
+
+def donated_inputs(traced: TracedStep, donate_argnums: Sequence[int] | None):
+    """The flat inputs of the arguments `donate_argnums` (None stays None: the state)."""
+    if donate_argnums is None:
+        return None
+    counts = traced.arg_leaf_counts
+    return frozenset(j for a in donate_argnums for j in range(sum(counts[:a]), sum(counts[:a + 1])))
 
 
 def pipeline_plan(pp: PipelinePlan, hw: HardwareProfile) -> Plan:

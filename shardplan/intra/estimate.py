@@ -3,27 +3,20 @@ plan expects, for checking against the compiled program) and peak memory per dev
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import numpy as np
-
 from shardplan.cost import collectives
 from shardplan.cost.estimate import Estimate
 from shardplan.intra.problem import Problem, is_tensor
 from shardplan.ir.graph import Role
-from shardplan.strategies.spec import ShardSpec
 
 
-def peak_bytes(problem: Problem, specs: Mapping[int, ShardSpec]) -> float:
-    g = problem.graph
-    n = len(g.nodes)
-    vids, ranges = problem.live_values()
-    profile = np.zeros(n + 2)
-    for v, (a, b) in zip(vids, ranges):
-        size = problem.cost.value_bytes(g.values[v], specs[v])
-        profile[a] += size
-        profile[b + 1] -= size
-    return float(np.max(np.cumsum(profile))) if n else float(profile[0])
+def peak_bytes(problem: Problem, chosen) -> float:
+    """The plan's peak bytes per device: the memory model's rows (the ILP's) at its choice."""
+    model = problem.memory()
+    root_choice = {}
+    for r in problem.roots:
+        s = chosen[r]
+        root_choice[r] = next(k for k, t in enumerate(problem.strategies[r]) if t is s)
+    return model.peak(root_choice)
 
 
 def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
@@ -81,5 +74,5 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
         route(g.values[v], dst, f"output {j}")
     state = sum(cost.value_bytes(g.values[v], value_specs[v])
                 for v, r in zip(g.inputs, g.input_roles) if r == Role.STATE)
-    estimate = Estimate(compute, comm, peak_bytes(problem, value_specs), state, comm_bytes)
+    estimate = Estimate(compute, comm, peak_bytes(problem, chosen), state, comm_bytes)
     return estimate, tuple(expected)

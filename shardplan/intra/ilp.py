@@ -6,12 +6,30 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from typing import NamedTuple
 
 import numpy as np
 from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from shardplan.options import DEFAULTS
+from shardplan.units import Deadline, fmt_bytes
+
+
+class Copy(NamedTuple):
+    """A buffer that exists only when two members' layouts of one value differ (a reshard's
+    copy): bytes_a[k] + bytes_b[l] when key_a[k] != key_b[l], else nothing. Keys name layouts;
+    equal keys have equal bytes."""
+
+    a: int
+    key_a: np.ndarray
+    bytes_a: np.ndarray
+    b: int
+    key_b: np.ndarray
+    bytes_b: np.ndarray
+
+    def size(self, k: int, l: int) -> float:
+        return 0.0 if self.key_a[k] == self.key_b[l] else float(self.bytes_a[k] + self.bytes_b[l])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -20,10 +38,15 @@ class SolverInput:
 
     node_costs[i][k]: cost of node i choosing strategy k.
     edges: (a, b, C) with C[k, l] the cost when a chooses k and b chooses l.
-    memory_rows: each row is a list of (node, bytes per strategy) whose sum must stay within
-      memory_budget; a row is one moment of the step with the values alive then.
+    memory_rows: each row is a list of (node, bytes per strategy) whose sum, plus
+      memory_base and the copies row_copies names, must stay within memory_budget; a row is
+      one moment of the step with the buffers alive then.
+    memory_base: (node, bytes per strategy) of the buffers alive at every moment.
+    copies, row_copies: reshard copies (Copy) and, per row, the indices of those alive then.
     hint: a known feasible choice (for example all replicated) to start the search from.
     workers: CP-SAT workers; 1 (the default) is deterministic, more are faster but may race.
+    deadline: the wall clock the whole search must end by; time_limit_s stays the
+      deterministic limit (the same plan for the same input when the deadline is generous).
     """
 
     node_costs: tuple[np.ndarray, ...]
@@ -34,6 +57,25 @@ class SolverInput:
     seed: int = DEFAULTS.solver_seed
     workers: int = DEFAULTS.workers
     hint: tuple[int, ...] | None = None
+    memory_base: tuple[tuple[int, np.ndarray], ...] = ()
+    copies: tuple[Copy, ...] = ()
+    row_copies: tuple[tuple[int, ...], ...] = ()
+    deadline: Deadline | None = None
+
+    def remaining(self) -> float:
+        return self.deadline.remaining() if self.deadline is not None else float("inf")
+
+    def row_peaks(self, choice) -> list[float]:
+        """Bytes per device at each row's moment under `choice`."""
+        base = sum(float(mem[choice[n]]) for n, mem in self.memory_base)
+        sizes = [c.size(choice[c.a], choice[c.b]) for c in self.copies]
+        out = []
+        for r, row in enumerate(self.memory_rows):
+            total = base + sum(float(mem[choice[n]]) for n, mem in row)
+            if r < len(self.row_copies):
+                total += sum(sizes[j] for j in self.row_copies[r])
+            out.append(total)
+        return out or ([base] if self.memory_base else [])
 
     @property
     def num_nodes(self) -> int:
@@ -50,39 +92,101 @@ class Solution:
 
 
 class InfeasibleMemory(Exception):
-    """No strategy choice fits the memory budget; `min_bytes` is the least any choice needs."""
+    """No strategy choice fits the memory budget (proven); `min_bytes` is the least any choice
+    needs, or, when `exact` is False, a lower bound of it (the search for the least ran out of
+    time: every plan needs more than the budget, and at least min_bytes)."""
 
-    def __init__(self, budget: float, min_bytes: float):
-        self.budget, self.min_bytes = budget, min_bytes
+    def __init__(self, budget: float, min_bytes: float, exact: bool = True, margin: float = 0.0):
+        self.budget, self.min_bytes, self.exact = budget, min_bytes, exact
+        need = (f"the smallest any plan needs is {fmt_bytes(min_bytes)} per device" if exact
+                else f"every plan needs more than the budget (at least "
+                     f"{fmt_bytes(max(min_bytes, budget))} per device; the search for the "
+                     "least ran out of time)")
+        if margin:
+            need += f" (the memory model's estimate plus a margin of {margin:.0%})"
         super().__init__(
-            f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device; the "
-            f"smallest any plan needs is {min_bytes / 2**30:.3f} GiB per device. Raise the "
-            "budget, use more devices, or shrink the model or batch")
+            f"no plan fits the memory budget of {fmt_bytes(budget)} per device; {need}. Raise "
+            "the budget, use more devices, or shrink the model or batch")
 
 
-def compress_edge(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+class SearchTimeout(RuntimeError):
+    """The time limit ran out before any plan that fits the budget was found (one may exist)."""
+
+    def __init__(self, time_limit_s: float, what: str = ""):
+        self.time_limit_s = time_limit_s
+        super().__init__(
+            f"the time limit of {time_limit_s:g} s ran out before a plan that fits was found"
+            f"{': ' + what if what else ''}; raise time_limit (a plan may exist: this is not "
+            "a proof that none fits)")
+
+
+def compress_edge(m, row_keys=None, col_keys=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(row group of each row, column group of each column, the matrix over groups): rows
-    (columns) that are equal everywhere are one group, exactly."""
+    (columns) that are equal everywhere, and in `row_keys[k]` (`col_keys[l]`), are one
+    group, exactly."""
     m = np.asarray(m, dtype=float)
     key = np.where(np.isfinite(m), m, -1.0)
-    _, first_r, rows = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    rkey = key if row_keys is None else np.hstack([key, row_keys])
+    _, first_r, rows = np.unique(rkey, axis=0, return_index=True, return_inverse=True)
     key_r = key[np.sort(first_r)]
     order_r = np.argsort(np.argsort(first_r))
     rows = order_r[rows.ravel()]
-    _, first_c, cols = np.unique(key_r, axis=1, return_index=True, return_inverse=True)
+    ckey = key_r if col_keys is None else np.vstack([key_r, np.asarray(col_keys).T])
+    _, first_c, cols = np.unique(ckey, axis=1, return_index=True, return_inverse=True)
     order_c = np.argsort(np.argsort(first_c))
     cols = order_c[cols.ravel()]
     reduced = m[np.sort(first_r)][:, np.sort(first_c)]
     return rows, cols, reduced
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+    """An edge's matrix over groups of choices, and the copies on the same two nodes (each a
+    matrix of bytes over the same groups): one set of pair variables serves both."""
+
+    a: int
+    b: int
+    rows: np.ndarray
+    cols: np.ndarray
+    cost: np.ndarray
+    copies: tuple[tuple[int, np.ndarray], ...]
+
+
+def _pairs(inp: SolverInput) -> list[_Pair]:
+    """The edges, then pairs of nodes that only copies join, each compressed once."""
+    on: dict[tuple[int, int], list[int]] = {}
+    for j, c in enumerate(inp.copies):
+        on.setdefault((c.a, c.b), []).append(j)
+    edges = [(a, b, m) for a, b, m in inp.edges]
+    have = {(a, b) for a, b, _ in edges}
+    for (a, b) in sorted(on):
+        if (a, b) not in have:
+            edges.append((a, b, np.zeros((len(inp.node_costs[a]), len(inp.node_costs[b])))))
+            have.add((a, b))
+    out = []
+    for a, b, m in edges:
+        js = on.pop((a, b), [])
+        if not js:
+            rows, cols, reduced = compress_edge(m)
+            out.append(_Pair(a, b, rows, cols, reduced, ()))
+            continue
+        cs = [inp.copies[j] for j in js]
+        rk = np.stack([v for c in cs for v in (c.key_a, c.bytes_a)], axis=1)
+        ck = np.stack([v for c in cs for v in (c.key_b, c.bytes_b)], axis=1)
+        rows, cols, reduced = compress_edge(m, rk, ck)
+        fr = [int(np.flatnonzero(rows == g)[0]) for g in range(reduced.shape[0])]
+        fc = [int(np.flatnonzero(cols == g)[0]) for g in range(reduced.shape[1])]
+        sizes = tuple((j, np.array([[c.size(k, l) for l in fc] for k in fr]))
+                      for j, c in zip(js, cs))
+        out.append(_Pair(a, b, rows, cols, reduced, sizes))
+    return out
+
+
 def evaluate(inp: SolverInput, choice) -> tuple[float, float]:
     """(objective, peak memory) of a choice."""
     obj = sum(float(c[k]) for c, k in zip(inp.node_costs, choice))
     obj += sum(float(m[choice[a], choice[b]]) for a, b, m in inp.edges)
-    peak = max((sum(float(mem[choice[n]]) for n, mem in row) for row in inp.memory_rows),
-               default=0.0)
-    return obj, peak
+    return obj, max(inp.row_peaks(choice), default=0.0)
 
 
 def brute_force(inp: SolverInput) -> Solution:
@@ -131,11 +235,13 @@ def _build(inp: SolverInput, minimise_memory: bool):
                 model.Add(x[i][k] == 0)
             elif v > 0:
                 objective.append(round(float(v) * scale) * x[i][k])
-    for e, (a, b, m) in enumerate(inp.edges):
+    copy_terms: dict[int, tuple[list, list]] = {}
+    for e, pair in enumerate(_pairs(inp)):
         # Alpa's formulation: e[k,l] picks the pair; its marginals are the two nodes' choices.
         # Its LP relaxation is tight on trees, which keeps CP-SAT's search small. Strategies
         # with equal rows (columns) share one marginal: the edge only sees their layouts.
-        rows, cols, m = compress_edge(m)
+        # A reshard's copy is a sum over the same pair variables.
+        a, b, rows, cols, m = pair.a, pair.b, pair.rows, pair.cols, pair.cost
         ka, kb = m.shape
         ev = [[model.NewBoolVar(f"e{e}_{k}_{l}") for l in range(kb)] for k in range(ka)]
         for k in range(ka):
@@ -150,14 +256,17 @@ def _build(inp: SolverInput, minimise_memory: bool):
                     model.Add(ev[k][l] == 0)
                 elif v > 0:
                     objective.append(round(float(v) * scale) * ev[k][l])
+        for j, size in pair.copies:
+            vs, cs = copy_terms.setdefault(j, ([], []))
+            for k in range(ka):
+                for l in range(kb):
+                    if size[k, l] > 0:
+                        vs.append(ev[k][l])
+                        cs.append(math.ceil(size[k, l]))
 
-    mem_exprs = []
-    for row in inp.memory_rows:
-        expr = sum(math.ceil(float(v)) * x[n][k] for n, mem in row for k, v in enumerate(mem) if v > 0)
-        mem_exprs.append(expr)
+    mem_exprs = _memory_exprs(model, inp, x, copy_terms)
     if minimise_memory:
-        bound = int(sum(max(float(np.max(mem)) for _, mem in [t]) for row in inp.memory_rows for t in row)) + 1
-        peak = model.NewIntVar(0, max(bound, 1), "peak")
+        peak = model.NewIntVar(0, _memory_bound(inp), "peak")
         for expr in mem_exprs:
             model.Add(peak >= expr)
         model.Minimize(peak)
@@ -173,6 +282,53 @@ def _build(inp: SolverInput, minimise_memory: bool):
     return model, x
 
 
+def _memory_bound(inp: SolverInput) -> int:
+    """More bytes than any choice can need."""
+    total = sum(float(np.max(mem)) for _, mem in inp.memory_base)
+    total += sum(float(np.max(mem)) for row in inp.memory_rows for _, mem in row)
+    total += sum(float(np.max(c.bytes_a) + np.max(c.bytes_b)) for c in inp.copies)
+    return int(total) + 1
+
+
+def _weighted(terms, x):
+    """[(vars, coefficients)] of a row's (node, bytes per choice) terms."""
+    vs, cs = [], []
+    for n, mem in terms:
+        for k, v in enumerate(mem):
+            if v > 0:
+                vs.append(x[n][k])
+                cs.append(math.ceil(float(v)))
+    return vs, cs
+
+
+def _memory_exprs(model, inp: SolverInput, x, copy_terms) -> list:
+    """One expression per memory row: the base, the row's buffers, the copies alive then.
+    The base and each copy are one variable, shared by the rows."""
+    if not inp.memory_rows and not inp.memory_base:
+        return []
+    bound = _memory_bound(inp)
+    base_vs, base_cs = _weighted(inp.memory_base, x)
+    base = model.NewIntVar(0, bound, "mem_base")
+    model.Add(base == cp_model.LinearExpr.WeightedSum(base_vs, base_cs))
+    copy_vars = []
+    for j in range(len(inp.copies)):
+        vs, cs = copy_terms.get(j, ([], []))
+        size = model.NewIntVar(0, bound, f"copy{j}")
+        model.Add(size == cp_model.LinearExpr.WeightedSum(vs, cs))
+        copy_vars.append(size)
+    exprs = []
+    rows = inp.memory_rows or (((),) if inp.memory_base else ())
+    for r, row in enumerate(rows):
+        vs, cs = _weighted(row, x)
+        vs.append(base)
+        cs.append(1)
+        for j in (inp.row_copies[r] if r < len(inp.row_copies) else ()):
+            vs.append(copy_vars[j])
+            cs.append(1)
+        exprs.append(cp_model.LinearExpr.WeightedSum(vs, cs))
+    return exprs
+
+
 def _solver(inp: SolverInput):
     solver = cp_model.CpSolver()
     p = solver.parameters
@@ -181,7 +337,7 @@ def _solver(inp: SolverInput):
     # One worker and a deterministic time limit give the same plan for the same input; more
     # workers search faster but race (interleave_search would fix that, at 1000x the time).
     p.max_deterministic_time = inp.time_limit_s
-    p.max_time_in_seconds = inp.time_limit_s * 4
+    p.max_time_in_seconds = max(0.01, min(inp.time_limit_s * 4, inp.remaining()))
     # Lean on the LP relaxation: it is tight for these problems (measured: integral on a GPT
     # train step), and level 2 proves optimality in seconds where the default takes minutes.
     p.linearization_level = 2
@@ -190,7 +346,6 @@ def _solver(inp: SolverInput):
 
 def _lp_relaxation(inp: SolverInput):
     """Solve the LP relaxation with GLOP: (per-node fractional choices, objective) or None."""
-
     lp = pywraplp.Solver.CreateSolver("GLOP")
     if lp is None:
         return None
@@ -206,8 +361,9 @@ def _lp_relaxation(inp: SolverInput):
                 x[i][k].SetUb(0.0)
             elif v:
                 objective.SetCoefficient(x[i][k], float(v))
-    for a, b, m in inp.edges:
-        rows, cols, m = compress_edge(m)
+    copy_terms: dict[int, list] = {}
+    for pair in _pairs(inp):
+        a, b, rows, cols, m = pair.a, pair.b, pair.rows, pair.cols, pair.cost
         ev = [[lp.NumVar(0.0, 0.0 if not np.isfinite(m[k, l]) else 1.0, "")
                for l in range(m.shape[1])] for k in range(m.shape[0])]
         for k in range(m.shape[0]):
@@ -224,24 +380,166 @@ def _lp_relaxation(inp: SolverInput):
                 row.SetCoefficient(x[b][int(j)], -1.0)
             for k in range(m.shape[0]):
                 row.SetCoefficient(ev[k][l], 1.0)
+        for j, size in pair.copies:
+            copy_terms.setdefault(j, []).extend(
+                (ev[k][l], float(size[k, l])) for k in range(m.shape[0])
+                for l in range(m.shape[1]) if size[k, l] > 0)
+        if inp.remaining() <= 0:
+            return None
     if inp.memory_budget is not None:
-        for mem_row in inp.memory_rows:
-            row = lp.Constraint(-lp.infinity(), float(inp.memory_budget))
-            for n, mem in mem_row:
-                for k, v in enumerate(mem):
-                    row.SetCoefficient(x[n][k], row.GetCoefficient(x[n][k]) + float(v))
+        _lp_memory(lp, inp, x, copy_terms)
     objective.SetMinimization()
+    if inp.deadline is not None:
+        lp.SetTimeLimit(max(1, int(1000 * inp.remaining())))
     if lp.Solve() != pywraplp.Solver.OPTIMAL:
         return None
     return [np.array([v.solution_value() for v in xs]) for xs in x], objective.Value()
 
 
-def solve(inp: SolverInput) -> Solution:
-    """The best choice CP-SAT finds within the time limit (optimal if it proves so)."""
+def _lp_memory(lp, inp: SolverInput, x, copy_terms) -> None:
+    """The memory rows in the relaxation, as _memory_exprs writes them for CP-SAT."""
+    def add(row, terms, sign=1.0):
+        for n, mem in terms:
+            for k, v in enumerate(mem):
+                if v:
+                    row.SetCoefficient(x[n][k], row.GetCoefficient(x[n][k]) + sign * float(v))
 
+    base = lp.NumVar(0.0, lp.infinity(), "")
+    row = lp.Constraint(0.0, 0.0)
+    row.SetCoefficient(base, -1.0)
+    add(row, inp.memory_base)
+    copy_vars = []
+    for j in range(len(inp.copies)):
+        size = lp.NumVar(0.0, lp.infinity(), "")
+        row = lp.Constraint(0.0, 0.0)
+        row.SetCoefficient(size, -1.0)
+        for var, v in copy_terms.get(j, ()):
+            row.SetCoefficient(var, v)
+        copy_vars.append(size)
+    rows = inp.memory_rows or (((),) if inp.memory_base else ())
+    for r, mem_row in enumerate(rows):
+        row = lp.Constraint(-lp.infinity(), float(inp.memory_budget))
+        row.SetCoefficient(base, 1.0)
+        add(row, mem_row)
+        for j in (inp.row_copies[r] if r < len(inp.row_copies) else ()):
+            row.SetCoefficient(copy_vars[j], 1.0)
+
+
+# Memory rows the ILP starts with, and adds per round: the rows a solution overflows.
+ROWS_PER_ROUND = 8
+
+
+def _restrict(inp: SolverInput, active) -> SolverInput:
+    """The same problem with only the memory rows in `active` (and the copies they name)."""
+    active = sorted(active)
+    used = sorted({j for r in active for j in inp.row_copies[r]}) if inp.row_copies else []
+    remap = {j: i for i, j in enumerate(used)}
+    return dataclasses.replace(
+        inp, memory_rows=tuple(inp.memory_rows[r] for r in active),
+        row_copies=tuple(tuple(remap[j] for j in inp.row_copies[r]) for r in active)
+        if inp.row_copies else (),
+        copies=tuple(inp.copies[j] for j in used))
+
+
+def _top_rows(inp: SolverInput, choice, above: float = -1.0, skip=()) -> list[int]:
+    peaks = np.asarray(inp.row_peaks(choice)[:len(inp.memory_rows)])
+    order = [int(r) for r in np.argsort(-peaks, kind="stable")
+             if peaks[r] > above and int(r) not in skip]
+    return order[:ROWS_PER_ROUND]
+
+
+def _first_rows(inp: SolverInput) -> set[int]:
+    """The rows that peak under all-first choices (replicated) and under each node's
+    smallest: where the step's memory piles up, whatever the plan."""
+    first = set(_top_rows(inp, inp.hint or tuple(0 for _ in inp.node_costs)))
+    smallest = [0] * inp.num_nodes
+    for n, mem in inp.memory_base + tuple(t for row in inp.memory_rows for t in row):
+        smallest[n] = int(np.argmin(mem))
+    return first | set(_top_rows(inp, tuple(smallest)))
+
+
+class _Infeasible(Exception):
+    pass
+
+
+def solve(inp: SolverInput) -> Solution:
+    """The best choice CP-SAT finds within the time limit (optimal if it proves so).
+
+    Memory rows are added lazily: solve with the rows where memory piles up, evaluate every
+    row at the solution, add the rows it overflows, again until none does. A subset of the
+    rows has fewer constraints, so its optimum that fits every row is the optimum, and its
+    infeasibility proves the whole problem's."""
     if inp.num_nodes == 0:
         return Solution((), 0.0, 0.0, True, "empty")
-    relaxed = _lp_relaxation(inp)
+    full, budget = inp, inp.memory_budget
+    lazy = budget is not None and len(inp.memory_rows) > ROWS_PER_ROUND
+    active = _first_rows(inp) if lazy else set(range(len(inp.memory_rows)))
+    found = None
+    while True:
+        sub = _restrict(full, active) if lazy else full
+        try:
+            found = _solve_rows(sub)
+        except _Infeasible:
+            raise InfeasibleMemory(budget, *min_memory_bound(full)) from None
+        if found is None:
+            break
+        obj, peak = evaluate(full, found.choice)
+        over = _top_rows(full, found.choice, budget, active) if lazy else []
+        if not over:
+            return dataclasses.replace(found, objective=obj, peak_memory=peak)
+        active |= set(over)
+        full = dataclasses.replace(full, hint=None)
+        if full.remaining() <= 0:
+            break
+    # Out of time: the cheapest of the hint and the greedy choices that fits.
+    fits = []
+    for fallback in (inp.hint, *greedy_choices(inp)):
+        if fallback is None:
+            continue
+        obj, peak = evaluate(inp, fallback)
+        if np.isfinite(obj) and (budget is None or peak <= budget):
+            fits.append((obj, tuple(fallback), peak))
+    if fits:
+        obj, choice, peak = min(fits)
+        return Solution(choice, obj, peak, False, "fallback")
+    raise SearchTimeout(inp.deadline.limit_s if inp.deadline is not None else inp.time_limit_s,
+                        "the ILP found no plan that fits within its time limit")
+
+
+def greedy_choices(inp: SolverInput) -> list[tuple[int, ...]]:
+    """Cheap choices for when the search ran out of time: node by node, the cheapest given the
+    nodes already chosen (edges to them included), with memory weighed not at all, some, and
+    above all (then each node takes its smallest layout that costs least)."""
+    mem = [np.zeros(len(c)) for c in inp.node_costs]
+    for n, m in inp.memory_base:
+        mem[n] = mem[n] + m
+    for row in inp.memory_rows:
+        for n, m in row:
+            mem[n] = np.maximum(mem[n], m)
+    adj: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for a, b, m in inp.edges:
+        # oriented [this node's choice, the other's]
+        adj.setdefault(b, []).append((a, np.asarray(m).T))
+        adj.setdefault(a, []).append((b, np.asarray(m)))
+    biggest = max([float(np.max(m)) for m in mem] + [1.0])
+    scale = max([float(np.max(np.where(np.isfinite(c), c, 0))) for c in inp.node_costs] + [1e-12])
+    out = []
+    for weight in (0.0, scale / biggest, 1e6 * scale / biggest):
+        choice: list[int] = []
+        for i, c in enumerate(inp.node_costs):
+            score = np.asarray(c, dtype=float) + weight * mem[i]
+            for j, m in adj.get(i, ()):
+                if j < i:
+                    score = score + m[:, choice[j]]
+            choice.append(int(np.argmin(np.where(np.isnan(score), np.inf, score))))
+        out.append(tuple(choice))
+    return out
+
+
+def _solve_rows(inp: SolverInput) -> Solution | None:
+    """LP, then CP-SAT, with the rows of `inp`: a Solution, None when the time ran out first,
+    or _Infeasible when no choice fits them."""
+    relaxed = _lp_relaxation(inp) if inp.remaining() > 0 else None
     if relaxed is not None:
         fractions, _ = relaxed
         rounded = tuple(int(np.argmax(f)) for f in fractions)
@@ -251,6 +549,8 @@ def solve(inp: SolverInput) -> Solution:
             if inp.memory_budget is None or peak <= inp.memory_budget:
                 return Solution(rounded, obj, peak, True, "lp-integral")
         inp = dataclasses.replace(inp, hint=rounded)
+    if inp.remaining() <= 0:
+        return None
     model, x = _build(inp, minimise_memory=False)
     solver = _solver(inp)
     status = solver.Solve(model)
@@ -259,27 +559,54 @@ def solve(inp: SolverInput) -> Solution:
         obj, peak = evaluate(inp, choice)
         return Solution(choice, obj, peak, status == cp_model.OPTIMAL, "cp-sat")
     if status == cp_model.INFEASIBLE and inp.memory_budget is not None:
-        raise InfeasibleMemory(inp.memory_budget, min_memory(inp))
-    # Unknown within the time limit: fall back to the hint or each node's cheapest choice.
-    fallback = inp.hint or tuple(int(np.argmin(c)) for c in inp.node_costs)
-    obj, peak = evaluate(inp, fallback)
-    if not np.isfinite(obj):
-        raise RuntimeError("the ILP found no plan within its time limit and the fallback plan "
-                           "is not valid; raise the time limit")
-    if inp.memory_budget is not None and peak > inp.memory_budget:
-        raise InfeasibleMemory(inp.memory_budget, min_memory(inp))
-    return Solution(tuple(fallback), obj, peak, False, "fallback")
+        raise _Infeasible()
+    return None
 
 
-def min_memory(inp: SolverInput) -> float:
-    """The smallest peak memory (max over rows) that any choice reaches."""
+def min_memory_bound(inp: SolverInput) -> tuple[float, bool]:
+    """(the smallest peak memory any choice reaches, True) or, when the search for it ran out
+    of time, (a lower bound of it, False). Rows are added lazily, as in solve."""
+    if not inp.memory_rows and not inp.memory_base:
+        return 0.0, True
+    lazy = len(inp.memory_rows) > ROWS_PER_ROUND
+    active = _first_rows(inp) if lazy else set(range(len(inp.memory_rows)))
+    floor = _simple_bound(inp)
+    while True:
+        value, exact, choice = _min_rows(_restrict(inp, active) if lazy else inp)
+        if choice is None:
+            return max(value, floor), False
+        peak = evaluate(inp, choice)[1]
+        over = _top_rows(inp, choice, value + 0.5, active) if lazy else []
+        if not over:
+            # Optimal over a subset of the rows and fitting them all: optimal.
+            return (peak, True) if exact else (max(value, floor), False)
+        active |= set(over)
+        if inp.remaining() <= 0:
+            return max(value, floor), False
 
-    if not inp.memory_rows:
-        return 0.0
+
+def _simple_bound(inp: SolverInput) -> float:
+    """A lower bound of any choice's peak: each row with every node at its smallest."""
+    base = sum(float(np.min(mem)) for _, mem in inp.memory_base)
+    rows = [sum(float(np.min(mem)) for _, mem in row) for row in inp.memory_rows]
+    return base + max(rows, default=0.0)
+
+
+def _min_rows(inp: SolverInput) -> tuple[float, bool, tuple[int, ...] | None]:
+    """(least peak over the rows of inp or a lower bound, proven, a choice reaching it)."""
     model, x = _build(inp, minimise_memory=True)
     solver = _solver(inp)
     status = solver.Solve(model)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         choice = tuple(next(k for k, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
-        return evaluate(inp, choice)[1]
-    return float("nan")
+        if status == cp_model.OPTIMAL:
+            return evaluate(inp, choice)[1], True, choice
+        return float(solver.BestObjectiveBound()), False, choice
+    return 0.0, False, None
+
+
+def min_memory(inp: SolverInput) -> float:
+    """The smallest peak memory (max over rows) that any choice reaches (nan if not proven
+    within the time limit)."""
+    value, exact = min_memory_bound(inp)
+    return value if exact else float("nan")

@@ -19,6 +19,7 @@ from shardplan.ir.graph import Graph
 from shardplan.strategies import coverage as coverage_mod
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
+from shardplan.units import fmt_bytes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,29 +64,59 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
     """Solve the ILP free and, unless that solve is proven optimal, with each expert plan's
     inputs pinned; keep the cheapest. A pinned problem is the free one with fewer choices, so
     it can only win when the free solve stopped at its time limit: the seeds are the guard
-    that the plan is never worse than the experts' under the cost model."""
-    candidates, notes, infeasible = [], [], None
+    that the plan is never worse than the experts' under the cost model.
+
+    Every solve gets only what remains of the deadline. When it has run out, a seed is not
+    solved but its pinned choice (each other node at its cheapest) is evaluated, and kept if it
+    fits; when nothing that fits was found, SearchTimeout (never InfeasibleMemory, which
+    needs a proof)."""
+    deadline = options.deadline
+    candidates, notes, timeout = [], [], None
     try:
         candidates.append(("searched", ilp.solve(inp)))
-    except ilp.InfeasibleMemory as e:
-        infeasible = e
+    except ilp.SearchTimeout as e:
+        timeout = e
     proven = bool(candidates) and candidates[0][1].optimal
+    skipped = []
     if options.seed_baselines and not options.fixed_inputs and not proven:
         for name, fixed in experts.expert_inputs(problem.graph, problem.mesh).items():
             pinned = _pinned(problem, inp, fixed)
             if pinned is None:
                 continue
+            if deadline is not None and deadline.expired():
+                skipped.append(name)
+                # The expert's inputs, every other node at its cheapest or as a greedy pass
+                # propagates them (as XLA would): kept if it fits.
+                fits = []
+                for choice in (pinned.hint, *ilp.greedy_choices(pinned)):
+                    obj, peak = ilp.evaluate(pinned, choice)
+                    if np.isfinite(obj) and (inp.memory_budget is None
+                                             or peak <= inp.memory_budget):
+                        fits.append((obj, choice, peak))
+                if fits:
+                    obj, choice, peak = min(fits)
+                    candidates.append((f"{name} (pinned, not searched)",
+                                       ilp.Solution(choice, obj, peak, False, "pinned")))
+                continue
             try:
                 candidates.append((f"{name}-seeded", ilp.solve(pinned)))
-            except ilp.InfeasibleMemory:
+            except (ilp.InfeasibleMemory, ilp.SearchTimeout):
                 continue
-    if not candidates:
-        raise infeasible
+    cut_short = timeout is not None or bool(skipped) or (
+        not proven and deadline is not None and deadline.expired())
     candidates = [(n, s) for n, s in candidates if np.isfinite(s.objective)]
+    if not candidates:
+        raise timeout or ilp.SearchTimeout(deadline.limit_s if deadline else inp.time_limit_s)
     best_name, best = min(candidates, key=lambda c: c[1].objective)
     if len(candidates) > 1:
         notes.append("candidates (cost model objective): " + ", ".join(
             f"{n} {s.objective * 1e3:.3f} ms" for n, s in candidates) + f"; kept {best_name}")
+    if cut_short:
+        notes.append(
+            f"the search was cut short by the time limit ({deadline.limit_s:g} s): this is the "
+            "best plan found that fits, not a proven optimum"
+            + (f"; expert plans not searched, only evaluated: {', '.join(skipped)}"
+               if skipped else "") + "; raise time_limit for a better one")
     return dataclasses.replace(best, solver=f"{best.solver}, {best_name}"), notes
 
 
@@ -101,7 +132,19 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
                       stacklevel=3)
     problem = Problem(graph, mesh, cost, options)
     inp = problem.solver_input()
-    solution, notes = _solve_with_seeds(problem, inp, options)
+    try:
+        solution, notes = _solve_with_seeds(problem, inp, options)
+    except ilp.InfeasibleMemory as e:
+        if not options.memory_margin:
+            raise
+        # The rows were held to budget / (1 + margin): the budget that would do is the
+        # rows' least times (1 + margin).
+        raise ilp.InfeasibleMemory(options.memory_budget, e.min_bytes * (1 + options.memory_margin),
+                                   e.exact, margin=options.memory_margin) from None
+    if options.memory_budget is not None and options.memory_margin:
+        notes.append(f"planned to {fmt_bytes(inp.memory_budget)} per device, the budget less a "
+                     f"margin of {options.memory_margin:.0%} for what the memory model does not "
+                     "see of XLA's buffers")
     if covered.replicated:
         notes.append(str(covered))
     whiles = sorted({loop.trips for loop in graph.loops if loop.kind == "while"})

@@ -17,6 +17,7 @@ from shardplan.options import DEFAULTS
 from shardplan.strategies import registry
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec, enumerate_specs
+from shardplan.units import Deadline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,14 @@ class IntraOptions:
     time_limit_s: float = DEFAULTS.time_limit
     seed: int = DEFAULTS.solver_seed
     workers: int = DEFAULTS.workers
-    memory_points: int = 6
+    # The ILP plans to memory_budget / (1 + memory_margin): what the memory model does not
+    # see of XLA's buffers (intra/memory.py says what it does).
+    memory_margin: float = 0.0
+    # Flat input indices whose buffers the step donates (their tied outputs reuse them);
+    # None: every state input (as measure and the zoo compile it).
+    donated: frozenset[int] | None = None
+    # The wall clock the whole search must end by (units.Deadline); None: time_limit_s alone.
+    deadline: Deadline | None = None
     max_split_dims: int = 2
     # Fan-out members price a value's resharding once for all its consumers (as XLA runs it)
     # instead of once per consumer. "partial": only for values their producer may leave
@@ -196,7 +204,17 @@ class Problem:
         ud, di = np.unique([str(s) for s in dsts], return_inverse=True)
         first_s = {str(s): s for s in srcs}
         first_d = {str(s): s for s in dsts}
-        u = np.array([[self.cost.reshard_time(value, first_s[a], first_d[b]) for b in ud] for a in us])
+        # Repeated layers reshard values of the same shapes between the same layouts.
+        memo = self.__dict__.setdefault("_reshard_memo", {})
+        shape = (value.shape, value.dtype, value.itemsize)
+
+        def time(a, b):
+            key = (shape, a, b)
+            if key not in memo:
+                memo[key] = self.cost.reshard_time(value, first_s[a], first_d[b])
+            return memo[key]
+
+        u = np.array([[time(a, b) for b in ud] for a in us])
         return u[si][:, di]
 
     def edges_and_unary(self):
@@ -260,59 +278,13 @@ class Problem:
                     for s in (self.out_spec(p, out_idx, k) for k in range(len(self.strategies[rp])))])
         return unary, edges
 
-    def live_values(self) -> tuple[list[int], list[tuple[int, int]]]:
-        """Values counted in memory and their live range [first, last] in node positions.
-        Inputs live the whole step; outputs tied to a state input reuse its (donated) buffer."""
-        g = self.graph
-        n = len(g.nodes)
-        tied = {g.outputs[j] for j, t in enumerate(g.output_ties) if t is not None}
-        last = g.last_use()
-        vids, ranges = [], []
-        for v in g.inputs:
-            vids.append(v)
-            ranges.append((0, n - 1))
-        for node in g.nodes:
-            for v in node.outputs:
-                if v in tied or v not in last:
-                    continue
-                vids.append(v)
-                ranges.append((node.id, min(last[v], n - 1)))
-        return vids, ranges
+    def memory(self):
+        """The memory model (intra/memory.py), built once."""
+        from shardplan.intra.memory import MemoryModel
 
-    def memory_rows(self):
-        g = self.graph
-        n = len(g.nodes)
-        if n == 0:
-            return ()
-        vids, ranges = self.live_values()
-        profile = np.zeros(n + 1)
-        for v, (a, b) in zip(vids, ranges):
-            profile[a] += g.values[v].nbytes
-            profile[b + 1] -= g.values[v].nbytes
-        profile = np.cumsum(profile)[:n]
-        points: list[int] = []
-        window = max(1, n // (4 * self.options.memory_points))
-        for t in np.argsort(-profile, kind="stable"):
-            if len(points) >= self.options.memory_points:
-                break
-            if all(abs(int(t) - p) > window for p in points):
-                points.append(int(t))
-        rows = []
-        for t in sorted(points):
-            terms: dict[int, np.ndarray] = {}
-            for v, (a, b) in zip(vids, ranges):
-                if not a <= t <= b:
-                    continue
-                p, out_idx = self.producer[v]
-                r = self.groups.root[p]
-                arr = np.array([self.cost.value_bytes(g.values[v], self.out_spec(p, out_idx, k))
-                                for k in range(len(self.strategies[r]))])
-                terms[r] = terms.get(r, 0) + arr
-            by_rep: dict[int, np.ndarray] = {}
-            for r, arr in terms.items():
-                by_rep[self.index[r]] = by_rep.get(self.index[r], 0) + arr
-            rows.append(tuple(sorted(by_rep.items(), key=lambda kv: kv[0])))
-        return tuple(rows)
+        if "_memory" not in self.__dict__:
+            self.__dict__["_memory"] = MemoryModel(self, self.options.donated)
+        return self.__dict__["_memory"]
 
     def solver_input(self) -> ilp.SolverInput:
         """The ILP over representatives: tied roots add their costs to their representative."""
@@ -330,9 +302,14 @@ class Problem:
         node_costs = tuple(costs)
         edge_list = tuple((a, b, m) for (a, b), m in sorted(merged.items()))
         budget = self.options.memory_budget
-        rows = self.memory_rows() if budget is not None else ()
+        base = rows = copies = row_copies = ()
+        if budget is not None:
+            budget = budget / (1 + self.options.memory_margin)
+            base, rows, copies, row_copies = self.memory().solver_terms(self.index, len(self.reps))
         return ilp.SolverInput(node_costs, edge_list, rows, budget, self.options.time_limit_s,
                                self.options.seed, self.options.workers,
-                               hint=tuple(0 for _ in self.reps))
+                               hint=tuple(0 for _ in self.reps), memory_base=base,
+                               copies=copies, row_copies=row_copies,
+                               deadline=self.options.deadline)
 
 

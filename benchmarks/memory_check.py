@@ -1,0 +1,136 @@
+"""Does a plan said to fit its memory budget fit once XLA compiles it?
+
+For zoo models at test size on 8 and 2x4 CPU devices: the least memory any plan needs (as the
+planner reports it), data parallel's compiled peak, and three budgets between the two. Each
+budget is planned (`shardplan.auto(..., memory_budget=b)`), compiled, and the compiled peak
+(`memory_analysis()`: argument + output + temp - alias per device) set against the plan's
+estimate and the budget.
+
+    .venv/bin/python benchmarks/memory_check.py                 # mlp gpt bert, 8 and 2x4
+    .venv/bin/python benchmarks/memory_check.py --models mlp --meshes 2x4 --measure
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
+FRACTIONS = (0.0, 0.3, 0.7)  # where in [reported minimum, data parallel's peak] to budget
+
+
+def _mesh(name):
+    shape, names = MESHES[name]
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def _auto(step, mesh, budget, measure=False, time_limit=30.0):
+    import shardplan
+
+    return shardplan.auto(step.fn, mesh=mesh, memory_budget=budget,
+                          donate_argnums=step.state_argnums, state_argnums=step.state_argnums,
+                          batch_argnums=step.batch_argnums, hardware="cpu", measure=measure,
+                          time_limit=time_limit)
+
+
+def compiled_peak(auto_step, args) -> int:
+    from shardplan import measure
+    from shardplan.analysis import hlo
+
+    return hlo.analyze(measure.compile_for_analysis(auto_step.lower(*args))).peak_bytes
+
+
+def data_parallel_peak(step, mesh) -> int:
+    """The compiled peak of the data-parallel expert plan (state replicated, batch split)."""
+    from shardplan import measure
+    from shardplan.analysis import hlo
+    from shardplan.api import Options, _plan_traced
+    from shardplan.cost.hardware import get_profile
+    from shardplan.ir.trace import trace
+    from shardplan.strategies.spec import MeshShape
+
+    traced = trace(step.fn, step.args, step.state_argnums, step.batch_argnums)
+    plan, graph, _ = _plan_traced(traced, MeshShape.of(mesh), get_profile("cpu"), Options(),
+                                  device_mesh=mesh)
+    dp = measure.expert_plans(graph, plan)["data_parallel"]
+    return hlo.analyze(measure.compile_plan(graph, traced, dp, mesh,
+                                            step.state_argnums)).peak_bytes
+
+
+def reported_minimum(step, mesh) -> float:
+    """The least memory the planner says any plan needs (InfeasibleMemory.min_bytes under a
+    1-byte budget), with time to prove it."""
+    import shardplan
+
+    try:
+        _auto(step, mesh, 1, time_limit=120.0).plan(*step.args)
+    except shardplan.InfeasibleMemory as e:
+        if not e.exact:
+            print(f"({step.name}: the least memory was not proven, {e.min_bytes:.0f} is a "
+                  "lower bound)", file=sys.stderr)
+        return e.min_bytes
+    raise AssertionError("a 1-byte budget fitted")
+
+
+def check(model: str, mesh_name: str, measure: bool = False):
+    from shardplan import models
+
+    step = models.get_model(model, abstract=True)
+    mesh = _mesh(mesh_name)
+    low = reported_minimum(step, mesh)
+    high = data_parallel_peak(step, mesh)
+    rows = []
+    for f in FRACTIONS:
+        budget = int(low + f * max(high - low, 0.0)) + 2
+        t = time.perf_counter()
+        auto_step = _auto(step, mesh, budget, measure=measure)
+        try:
+            plan = auto_step.plan(*step.args)
+        except Exception as e:  # noqa: BLE001 - report the row, go on
+            rows.append({"model": model, "mesh": mesh_name, "budget": budget,
+                         "estimate": float("nan"), "peak": float("nan"), "fits": None,
+                         "min": low, "dp": high, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        peak = compiled_peak(auto_step, step.args)
+        rows.append({"model": model, "mesh": mesh_name, "budget": budget,
+                     "estimate": plan.estimate.peak_bytes, "peak": peak,
+                     "fits": peak <= budget, "min": low, "dp": high,
+                     "seconds": time.perf_counter() - t})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["mlp", "gpt", "bert"])
+    parser.add_argument("--meshes", nargs="*", default=list(MESHES))
+    parser.add_argument("--measure", action="store_true", help="plan with measure=True")
+    args = parser.parse_args(argv)
+    jax.config.update("jax_num_cpu_devices", 8)
+    from shardplan.units import fmt_bytes
+
+    print("| model | mesh | budget | estimate | compiled peak | peak/budget | est/peak | fits |")
+    print("|---|---|---|---|---|---|---|---|")
+    bad = 0
+    for model in args.models:
+        for mesh_name in args.meshes:
+            for r in check(model, mesh_name, args.measure):
+                if r["fits"] is None:
+                    print(f"| {r['model']} | {r['mesh']} | {fmt_bytes(r['budget'])} | "
+                          f"{r['error']} | | | | |", flush=True)
+                    continue
+                bad += not r["fits"]
+                print(f"| {r['model']} | {r['mesh']} | {fmt_bytes(r['budget'])} | "
+                      f"{fmt_bytes(r['estimate'])} | {fmt_bytes(r['peak'])} | "
+                      f"{r['peak'] / r['budget']:.3f} | {r['estimate'] / r['peak']:.3f} | "
+                      f"{'yes' if r['fits'] else 'NO'} |", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

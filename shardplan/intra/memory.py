@@ -1,0 +1,315 @@
+"""The memory model: every buffer a device holds during the step, when it is live, and how its
+size depends on the members' choices; the ILP's memory rows and a plan's peak both read it.
+
+It follows what `compiled.memory_analysis()` counts (argument + output + temp - alias):
+- the step's inputs, live throughout; a state output tied to a donated input is that input's
+  buffer (counted once), any other output is a buffer of its own, live throughout;
+- each intermediate from the node that makes it to its last reader;
+- each copy a reshard makes (an operand gathered, sliced or all-reduced into the layout its
+  reader wants): XLA makes one copy per layout for all the readers that want it (an
+  all-gathered kernel is kept from the forward pass to the backward), so a reader's copy is
+  counted from the reader to the last reader of the value that could reshard it too;
+- a state output computed in another layout than its input's: the result before the reshard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from shardplan.cost.model import FUSED
+from shardplan.intra import ilp
+from shardplan.intra.simplify import LEADERS
+
+# Generators XLA:CPU runs whole on every device whatever the plan (threefry over the full
+# shape, measured on the zoo's dropout masks), then slices.
+REPLICATED_RESULTS = frozenset({"random_bits"})
+
+# What the model does not see of XLA's buffers, as a share of its estimate: the planner plans
+# to budget / (1 + MARGIN) and says so in the plan's notes. XLA schedules the step its own
+# way (the model approximates its list scheduler, and XLA keeps more forward activations of a
+# transformer alive than that schedule does) and, on CPU, all-reduces a sum in full before
+# slicing it. Over the zoo at test size (benchmarks/memory_check.py) the compiled peak came to
+# 0.9-1.4x the estimate (GPT the worst), so 40%.
+MARGIN = 0.4
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Buffer:
+    """A buffer whose size is `nbytes[k]` when root `root` makes its choice k."""
+
+    root: int
+    nbytes: np.ndarray
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Copy:
+    """A buffer that exists only when two roots' layouts of one value differ (ilp.Copy), over
+    root choices rather than the ILP's representatives."""
+
+    a: int
+    key_a: np.ndarray
+    bytes_a: np.ndarray
+    b: int
+    key_b: np.ndarray
+    bytes_b: np.ndarray
+    start: int
+    end: int
+
+
+def schedule(graph) -> list[int]:
+    """The position of each node in the order XLA's memory-minimising scheduler would run
+    them, approximated by its list scheduler: of the nodes whose operands are ready, run the
+    one that frees the most bytes net of what it allocates (ties: program order). The
+    jaxpr's own order runs, say, every first moment update of an optimizer before any second
+    one, keeping every gradient alive that XLA frees leaf by leaf."""
+    import heapq
+
+    nodes = graph.nodes
+    producer = {v: node.id for node in nodes for v in node.outputs}
+    readers: dict[int, set[int]] = {}
+    for node in nodes:
+        for v in node.inputs:
+            if v in producer:
+                readers.setdefault(v, set()).add(node.id)
+    pinned = set(graph.outputs)
+    waiting = [len({producer[v] for v in node.inputs if v in producer}) for node in nodes]
+    dependents: dict[int, set[int]] = {}
+    for node in nodes:
+        for v in node.inputs:
+            if v in producer:
+                dependents.setdefault(producer[v], set()).add(node.id)
+    left = {v: len(r) for v, r in readers.items()}
+
+    def priority(i):
+        node = nodes[i]
+        freed = sum(graph.values[v].nbytes for v in set(node.inputs)
+                    if left.get(v) == 1 and v in producer and v not in pinned)
+        made = sum(graph.values[v].nbytes for v in node.outputs)
+        return (made - freed, i)
+
+    heap = [priority(i) for i in range(len(nodes)) if waiting[i] == 0]
+    heapq.heapify(heap)
+    done, pos = set(), [0] * len(nodes)
+    while heap:
+        key, i = heapq.heappop(heap)
+        if i in done or priority(i)[0] != key:
+            if i not in done:
+                heapq.heappush(heap, priority(i))
+            continue
+        pos[i] = len(done)
+        done.add(i)
+        for v in set(nodes[i].inputs):
+            if v in left:
+                left[v] -= 1
+                if left[v] == 1:
+                    # its last reader now frees it: ask that reader again
+                    for j in readers[v]:
+                        if j not in done and waiting[j] == 0:
+                            heapq.heappush(heap, priority(j))
+        for j in sorted(dependents.get(i, ())):
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(heap, priority(j))
+    return pos
+
+
+def _fused_away(graph, node, readers) -> bool:
+    """An elementwise-like result read once, by another such op: XLA fuses the two and never
+    writes it to memory."""
+    return (node.primitive in FUSED and len(readers) == 1
+            and graph.nodes[readers[0]].primitive in FUSED)
+
+
+def _keys(a: Sequence, b: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """Equal specs -> equal ints, across both sides."""
+    index: dict[str, int] = {}
+    ka = np.array([index.setdefault(str(s), len(index)) for s in a])
+    kb = np.array([index.setdefault(str(s), len(index)) for s in b])
+    return ka, kb
+
+
+class MemoryModel:
+    """The buffers of a Problem (see the module docstring); `donated` are the flat input
+    indices whose buffers the step may reuse for their tied outputs."""
+
+    def __init__(self, problem, donated: frozenset[int] | None = None):
+        from shardplan.intra.problem import is_tensor
+
+        self.problem = p = problem
+        g = p.graph
+        self.n = n = len(g.nodes)
+        donated = frozenset(range(p.num_inputs)) if donated is None else donated
+        cost, root = p.cost, p.groups.root
+        self.buffers: list[Buffer] = []
+        self.copies: list[Copy] = []
+        end = max(n - 1, 0)
+
+        def sizes(v, m, out_idx):
+            r = root[m]
+            return np.ceil([cost.value_bytes(g.values[v], p.out_spec(m, out_idx, k))
+                            for k in range(len(p.strategies[r]))])
+
+        self.pos = pos = schedule(g)
+        readers: dict[int, list[int]] = {}
+        for node in g.nodes:
+            for v in set(node.inputs):
+                readers.setdefault(v, []).append(node.id)
+        for i, v in enumerate(g.inputs):
+            self.buffers.append(Buffer(root[i], sizes(v, i, 0), 0, end))
+        outputs = {}
+        for j, v in enumerate(g.outputs):
+            outputs.setdefault(v, []).append(j)
+        for node in g.nodes:
+            m = p.num_inputs + node.id
+            for k, v in enumerate(node.outputs):
+                if not is_tensor(g.values[v]) or (v not in readers and v not in outputs):
+                    continue
+                js = outputs.get(v, [])
+                ties = [g.output_ties[j] for j in js if g.output_ties[j] is not None]
+                if not js:
+                    if _fused_away(g, node, readers[v]):
+                        continue
+                    nbytes = sizes(v, m, k)
+                    if node.primitive in REPLICATED_RESULTS:
+                        # XLA runs the generator whole on every device, then slices: the
+                        # result is whole, and the rounds' temporaries twice it.
+                        full = np.full(len(nbytes), float(g.values[v].nbytes))
+                        self.buffers.append(Buffer(root[m], 2 * full, pos[node.id], pos[node.id]))
+                        nbytes = np.maximum(nbytes, full)
+                    self.buffers.append(Buffer(root[m], nbytes, pos[node.id],
+                                               max(pos[r] for r in readers[v])))
+                    continue
+                if len(ties) < len(js):
+                    # An output of its own: memory_analysis counts it for the whole program.
+                    self.buffers.append(Buffer(root[m], sizes(v, m, k), 0, end))
+                for t in ties:
+                    if t not in donated:
+                        self.buffers.append(Buffer(root[t], sizes(g.inputs[t], t, 0), 0, end))
+                    # Computed in another layout than its input's, the result is a temporary.
+                    ka, kb = _keys([p.out_spec(m, k, c) for c in range(len(p.strategies[root[m]]))],
+                                   [p.out_spec(t, 0, c) for c in range(len(p.strategies[root[t]]))])
+                    self.copies.append(Copy(root[m], ka, sizes(v, m, k), root[t], kb,
+                                            np.zeros(len(kb)), pos[node.id], pos[node.id]))
+        self._add_operand_copies(is_tensor)
+
+    def _add_operand_copies(self, is_tensor) -> None:
+        p = self.problem
+        g, root = p.graph, p.groups.root
+        readers: dict[int, list[tuple[int, int]]] = {}
+        for node in g.nodes:
+            for i, v in enumerate(node.inputs):
+                value = g.values[v]
+                if is_tensor(value) and value.ndim > 0 and v in p.producer:
+                    readers.setdefault(v, []).append((p.num_inputs + node.id, i))
+        for v in sorted(readers):
+            src, out_idx = p.source[v]
+            rs = root[src]
+            srcs = [p.out_spec(src, out_idx, k) for k in range(len(p.strategies[rs]))]
+            # Readers in the producer's group take its layout as it is (never a copy).
+            movers = [(m, i) for m, i in readers[v] if root[m] != rs]
+            if not movers:
+                continue
+            last = max(self.pos[m - p.num_inputs] for m, _ in movers)
+            seen = set()
+            for m, i in movers:
+                rm = root[m]
+                dsts = [p.in_spec(m, i, k) for k in range(len(p.strategies[rm]))]
+                key = (rm, tuple(map(str, dsts)))
+                if key in seen or all(d == s for d in dsts for s in srcs):
+                    continue
+                seen.add(key)
+                ka, kb = _keys(srcs, dsts)
+                nbytes = np.ceil([p.cost.value_bytes(g.values[v], d) for d in dsts])
+                at = self.pos[m - p.num_inputs]
+                self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, at, last))
+                if g.nodes[m - p.num_inputs].primitive in LEADERS:
+                    # A gathered operand of a dot is copied once more into the layout the dot
+                    # reads (XLA's layout assignment), for the moment of the dot.
+                    self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, at, at))
+
+    # -- points -----------------------------------------------------------------------------
+
+    def points(self) -> list[tuple[list[int], list[int]]]:
+        """(buffers, copies) live at each point where the live set can peak: a point whose live
+        set is contained in another's never peaks alone. With intervals: the last point before
+        some buffer ends, if a buffer started since the previous such point."""
+        cached = self.__dict__.get("_points")
+        if cached is not None:
+            return cached
+        items = [(b.start, b.end) for b in self.buffers] + [(c.start, c.end) for c in self.copies]
+        if not items:
+            return []
+        starts = np.array([a for a, _ in items])
+        ends = np.array([b for _, b in items])
+        start_points = np.unique(starts)
+        nb = len(self.buffers)
+        out, prev = [], -1
+        for t in np.unique(ends):
+            if not ((start_points > prev) & (start_points <= t)).any():
+                continue  # nothing new since the previous point: this set is contained in it
+            prev = t
+            live = np.flatnonzero((starts <= t) & (ends >= t))
+            out.append(([int(x) for x in live if x < nb], [int(x) - nb for x in live if x >= nb]))
+        self.__dict__["_points"] = out
+        return out
+
+    # -- the ILP's rows -----------------------------------------------------------------------
+
+    def solver_terms(self, index: Mapping[int, int], num_reps: int):
+        """(base, rows, copies, row_copies) for ilp.SolverInput: terms over representatives
+        (`index`: root -> representative). Buffers live at every point form the base."""
+        pts = self.points()
+        always = set(range(len(self.buffers)))
+        for bufs, _ in pts:
+            always &= set(bufs)
+
+        def unary(ids, extra=()):
+            by: dict[int, np.ndarray] = {}
+            for i in ids:
+                b = self.buffers[i]
+                by[index[b.root]] = by.get(index[b.root], 0) + b.nbytes
+            for rep, arr in extra:
+                by[rep] = by.get(rep, 0) + arr
+            return tuple(sorted(by.items(), key=lambda kv: kv[0]))
+
+        copies, copy_id, diag = [], {}, {}
+        for j, c in enumerate(self.copies):
+            ia, ib = index[c.a], index[c.b]
+            if ia == ib:
+                diag[j] = (ia, np.where(c.key_a != c.key_b, c.bytes_a + c.bytes_b, 0.0))
+            else:
+                copy_id[j] = len(copies)
+                copies.append(ilp.Copy(ia, c.key_a, c.bytes_a, ib, c.key_b, c.bytes_b))
+        base = unary(sorted(always)) if pts else ()
+        rows, row_copies, seen = [], [], set()
+        for bufs, cps in pts:
+            row = unary([b for b in bufs if b not in always], [diag[j] for j in cps if j in diag])
+            rc = tuple(sorted(copy_id[j] for j in cps if j in copy_id))
+            key = (tuple((r, a.tobytes()) for r, a in row), rc)
+            if key in seen:
+                continue
+            seen.add(key)
+            rows.append(row)
+            row_copies.append(rc)
+        return base, tuple(rows), tuple(copies), tuple(row_copies)
+
+    # -- a chosen plan's peak ----------------------------------------------------------------
+
+    def peak(self, root_choice: Mapping[int, int]) -> float:
+        """The peak bytes per device when each root r takes choice root_choice[r]."""
+        best = 0.0
+        for bufs, cps in self.points():
+            total = sum(float(self.buffers[i].nbytes[root_choice[self.buffers[i].root]])
+                        for i in bufs)
+            for j in cps:
+                c = self.copies[j]
+                ka, kb = root_choice[c.a], root_choice[c.b]
+                if c.key_a[ka] != c.key_b[kb]:
+                    total += float(c.bytes_a[ka] + c.bytes_b[kb])
+            best = max(best, total)
+        return best

@@ -1,0 +1,149 @@
+"""The memory rows (every point where the live set can peak, reshard copies, rows added
+lazily), min_memory, the deadline's plumbing and the errors, against brute force."""
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from shardplan.intra import ilp
+from shardplan.intra.ilp import Copy, InfeasibleMemory, SearchTimeout, SolverInput
+from shardplan.units import Deadline, fmt_bytes, parse_bytes
+
+
+def memory_problem(seed, n=6, k=3, rows=12, copies=4):
+    """Random costs and edges, more rows than the ILP starts with, and copies on edges."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(2, k + 1, size=n)
+    costs = tuple(rng.uniform(0, 1, size=s) for s in sizes)
+    edges = [(int(a), b, rng.uniform(0, 2, size=(sizes[a], sizes[b])))
+             for b in range(1, n) for a in rng.choice(b, size=min(b, 2), replace=False)]
+    cps = []
+    for _ in range(copies):
+        a, b = sorted(rng.choice(n, size=2, replace=False))
+        ka = rng.integers(0, 3, size=sizes[a])
+        kb = rng.integers(0, 3, size=sizes[b])
+        per_key = rng.integers(1, 6, size=3).astype(float)
+        cps.append(Copy(int(a), ka, np.zeros(sizes[a]), int(b), kb, per_key[kb]))
+    mem_rows = tuple(tuple((int(i), rng.integers(1, 10, size=sizes[i]).astype(float))
+                           for i in rng.choice(n, size=3, replace=False)) for _ in range(rows))
+    row_copies = tuple(tuple(sorted(int(j) for j in rng.choice(copies, size=2, replace=False)))
+                       for _ in range(rows))
+    base = ((0, rng.integers(1, 4, size=sizes[0]).astype(float)),)
+    return SolverInput(costs, tuple(edges), mem_rows, float(rng.uniform(10, 30)),
+                       time_limit_s=10, memory_base=base, copies=tuple(cps),
+                       row_copies=row_copies)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lazy_rows_and_copies_match_brute_force(seed):
+    inp = memory_problem(seed)
+    assert len(inp.memory_rows) > ilp.ROWS_PER_ROUND  # the rows are added lazily
+    try:
+        ref = ilp.brute_force(inp)
+    except InfeasibleMemory as e:
+        with pytest.raises(InfeasibleMemory) as got:
+            ilp.solve(inp)
+        assert got.value.exact
+        assert got.value.min_bytes == pytest.approx(e.min_bytes)
+        return
+    sol = ilp.solve(inp)
+    assert sol.optimal
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-5, abs=1e-6)
+    assert ilp.evaluate(inp, sol.choice)[1] <= inp.memory_budget
+    assert sol.peak_memory == pytest.approx(ilp.evaluate(inp, sol.choice)[1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_min_memory_matches_brute_force(seed):
+    inp = memory_problem(seed)
+    value, exact = ilp.min_memory_bound(inp)
+    assert exact
+    assert value == pytest.approx(ilp._min_peak_brute(inp))
+
+
+def test_a_copy_counts_only_when_the_layouts_differ():
+    c = Copy(0, np.array([0, 1]), np.zeros(2), 1, np.array([1, 2]), np.array([4.0, 8.0]))
+    assert c.size(1, 0) == 0.0  # both in layout 1
+    assert c.size(0, 0) == 4.0 and c.size(1, 1) == 8.0
+
+
+def test_an_expired_deadline_returns_a_fallback_that_fits_at_once():
+    inp = memory_problem(1, n=30, rows=20)
+    inp = SolverInput(inp.node_costs, inp.edges, inp.memory_rows, 1e9, time_limit_s=60,
+                      memory_base=inp.memory_base, copies=inp.copies,
+                      row_copies=inp.row_copies, deadline=Deadline(0.0))
+    t = time.perf_counter()
+    sol = ilp.solve(inp)
+    assert time.perf_counter() - t < 2.0
+    assert not sol.optimal and sol.solver == "fallback"
+    assert ilp.evaluate(inp, sol.choice)[1] <= inp.memory_budget
+
+
+def test_an_expired_deadline_with_nothing_that_fits_says_time_ran_out():
+    # Plans fit only when the two nodes take different choices; the cheap fallbacks take
+    # each node's cheapest, the same.
+    costs = (np.array([0.0, 1.0]), np.array([0.0, 1.0]))
+    copy = Copy(0, np.array([0, 1]), np.zeros(2), 1, np.array([1, 0]), np.array([10.0, 10.0]))
+    inp = SolverInput(costs, (), ((),), 5.0, copies=(copy,), row_copies=((0,),),
+                      deadline=Deadline(0.0))
+    with pytest.raises(SearchTimeout, match="time limit of 0 s ran out") as e:
+        ilp.solve(inp)
+    assert isinstance(e.value, RuntimeError)
+    assert not isinstance(e.value, InfeasibleMemory)
+    # with time, the plan that fits is found
+    assert ilp.solve(dataclasses.replace(inp, deadline=None)).choice in ((0, 1), (1, 0))
+
+
+def test_cp_sat_gets_only_what_remains():
+    inp = memory_problem(3)
+    inp = dataclasses.replace(inp, time_limit_s=30.0, deadline=Deadline(1.5))
+    p = ilp._solver(inp).parameters
+    assert p.max_time_in_seconds <= 1.5 * 1.2  # the limit and its grace, no more
+    assert p.max_deterministic_time == 30.0  # the same plan when the limit is generous
+
+
+def test_deadline_stops_new_stages_at_the_limit_and_solves_at_its_grace():
+    d = Deadline(10.0, start=time.monotonic() - 10.5)
+    assert d.expired()
+    assert 0 < d.remaining() <= 1.5
+    assert Deadline(0.0).remaining() == 0.0
+
+
+def test_infeasible_message_formats_small_budgets():
+    e = InfeasibleMemory(100.0, 3000.0)
+    assert "100 B" in str(e) and "2.93 KiB" in str(e) and "0.000 GiB" not in str(e)
+    e = InfeasibleMemory(100.0, 50.0, exact=False)
+    assert "more than the budget" in str(e)
+    assert fmt_bytes(1536) == "1.50 KiB"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1, 0, "1e999GiB", "-2MiB"])
+def test_nonsense_budgets_are_refused(bad):
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes(bad)
+
+
+def test_points_are_the_maximal_live_sets():
+    """Every position's live set is contained in one of the points'."""
+    from shardplan.intra.memory import MemoryModel
+
+    rng = np.random.default_rng(0)
+
+    class Fake(MemoryModel):
+        def __init__(self, intervals):
+            from shardplan.intra.memory import Buffer
+
+            self.n = 20
+            self.buffers = [Buffer(0, np.ones(1), a, b) for a, b in intervals]
+            self.copies = []
+
+    for _ in range(20):
+        intervals = [tuple(sorted(rng.integers(0, 20, size=2))) for _ in range(12)]
+        model = Fake(intervals)
+        points = [set(b) for b, _ in model.points()]
+        for t in range(20):
+            live = {i for i, (a, b) in enumerate(intervals) if a <= t <= b}
+            assert any(live <= p for p in points)
+        assert len({frozenset(p) for p in points}) == len(points)
