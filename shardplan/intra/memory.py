@@ -21,7 +21,7 @@ import numpy as np
 
 from shardplan.cost.model import FUSED
 from shardplan.intra import ilp
-from shardplan.intra.simplify import LEADERS
+from shardplan.ir import primitives
 
 # Generators XLA:CPU runs whole on every device whatever the plan (threefry over the full
 # shape, measured on the zoo's dropout masks), then slices.
@@ -227,7 +227,7 @@ class MemoryModel:
                 nbytes = np.ceil([p.cost.value_bytes(g.values[v], d) for d in dsts])
                 at = self.pos[m - p.num_inputs]
                 self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, at, last))
-                if g.nodes[m - p.num_inputs].primitive in LEADERS:
+                if primitives.info(g.nodes[m - p.num_inputs].primitive).leader:
                     # A gathered operand of a dot is copied once more into the layout the dot
                     # reads (XLA's layout assignment), for the moment of the dot.
                     self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, at, at))
