@@ -12,7 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan import _compat
+from shardplan import _compat, distributed
+from shardplan import cache as cache_mod
+from shardplan import fingerprint as fingerprint_mod
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.emit.jit import emit_jit
@@ -118,16 +120,20 @@ def _compile_mesh(mesh_shape: MeshShape):
 class AutoStep:
     """A train step planned on first call for each input signature, then run as one jit."""
 
-    def __init__(self, fn, mesh=None, options: Options = Options(), plan: Plan | None = None):
+    def __init__(self, fn, mesh=None, options: Options = Options(), plan: Plan | None = None,
+                 cache=True):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._mesh = mesh
         self.options = options
         self._given_plan = plan
+        self.plan_cache = cache
         self._cache: dict[tuple, tuple[Plan, Any]] = {}
 
     @property
     def mesh(self):
+        if self._mesh is None:
+            self._mesh = distributed.default_mesh()
         if self._mesh is None:
             self._mesh = jax.make_mesh((len(jax.devices()),), ("devices",),
                                        axis_types=(jax.sharding.AxisType.Auto,))
@@ -141,9 +147,24 @@ class AutoStep:
             backend = mesh.devices.flat[0].platform
             hw = _profile(self.options.hardware, backend)
             order = [d.id for d in mesh.devices.flat]
-            if self._given_plan is not None:
-                plan, graph = _adopt(self._given_plan, traced, mesh)
-            elif self.options.pipeline is not False:
+            if self.options.pipeline is True:
+                distributed.refuse_mpmd_pipeline()
+            # Multi-controller, pipeline="auto" plans one program: MPMD stages cannot run there.
+            if (self._given_plan is not None or self.options.pipeline is False
+                    or distributed.is_multi_controller()):
+                # One plan for every process (planned once, cached, checked before the first step).
+                fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, self.options)
+
+                def obtain():
+                    if self._given_plan is not None:
+                        return self._given_plan
+                    return cache_mod.cached(self.plan_cache, fp, lambda: _plan_traced(
+                        traced, MeshShape.of(mesh), hw, self.options, device_mesh=mesh,
+                        device_order=order)[0])
+
+                plan = distributed.plan_once(fp, obtain, broadcast=self._given_plan is None)
+                plan, graph = _adopt(plan, traced, mesh)
+            else:
                 from shardplan.inter import planner as inter_planner
 
                 o = self.options
@@ -157,9 +178,6 @@ class AutoStep:
                     self._cache[key] = (choice.plan, choice.pipeline.run)
                     return self._cache[key]
                 plan, graph = dataclasses.replace(choice.plan, device_mesh=mesh), choice.intra_graph
-            else:
-                plan, graph, _ = _plan_traced(traced, MeshShape.of(mesh), hw, self.options,
-                                              device_mesh=mesh, device_order=order)
             jitted, _, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
                                     plan.input_specs, plan.output_specs, plan.constraints,
                                     plan.operand_specs, self.options.donate_argnums)
@@ -200,7 +218,8 @@ def auto(fn=None, *, mesh=None, memory_budget=None, donate_argnums: Sequence[int
          hardware: str | HardwareProfile | None = None, time_limit: float = 30.0,
          seed: int = 0, workers: int = 1, plan: Plan | str | None = None,
          pipeline: bool | str = False, num_micro_batches: int | None = None,
-         num_stages: int | None = None, schedule: str = "1f1b", measure: bool = False):
+         num_stages: int | None = None, schedule: str = "1f1b", measure: bool = False,
+         cache=True):
     """Plan and run a single-device train step over a device mesh.
 
     Use bare (`@shardplan.auto`: all devices on one axis) or with options. The step is traced
@@ -208,7 +227,8 @@ def auto(fn=None, *, mesh=None, memory_budget=None, donate_argnums: Sequence[int
     chosen by an ILP over the cost model of `hardware`), and run as one jax.jit.
 
     Args:
-      mesh: a jax.sharding.Mesh (Auto or Explicit axes); default all devices on one axis.
+      mesh: a jax.sharding.Mesh (Auto or Explicit axes); default all devices on one axis
+        (under jax.distributed: axes ("hosts", "devices"), the processes along the first).
       memory_budget: bytes per device (int) or a string like "16GiB"; default none.
       donate_argnums: arguments whose buffers the step may reuse (usually the state).
       state_argnums: which arguments are state; default those an output gives back.
@@ -224,6 +244,12 @@ def auto(fn=None, *, mesh=None, memory_budget=None, donate_argnums: Sequence[int
         Megatron) with XLA on the mesh, price each program with `hardware`, and keep the
         cheapest that fits the budget (shardplan.measure); planning takes a few compiles
         longer.
+      cache: reuse plans saved on disk by step fingerprint (shardplan.cache): True (the
+        directory $SHARDPLAN_CACHE or ~/.cache/shardplan), False, or a directory.
+
+    Under jax.distributed (several processes), process 0 plans (or loads the cached plan) and
+    broadcasts it, and every process checks that all run the same plan before the first step
+    (shardplan.distributed); build the inputs with shardplan.global_args.
     """
     if isinstance(plan, str):
         from shardplan.plan import load_plan
@@ -239,11 +265,11 @@ def auto(fn=None, *, mesh=None, memory_budget=None, donate_argnums: Sequence[int
                       hardware, float(time_limit), int(seed), int(workers),
                       pipeline, num_micro_batches, num_stages, schedule, bool(measure))
     if fn is None:
-        return lambda f: AutoStep(f, mesh, options, plan)
+        return lambda f: AutoStep(f, mesh, options, plan, cache)
     if not callable(fn):
         raise TypeError(f"shardplan.auto takes a function to plan, got {type(fn).__name__}; "
                         "pass options by keyword: shardplan.auto(step, mesh=mesh)")
-    return AutoStep(fn, mesh, options, plan)
+    return AutoStep(fn, mesh, options, plan, cache)
 
 
 def coverage(fn, *args, state_argnums: Sequence[int] | None = None,

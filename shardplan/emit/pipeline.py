@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplan import distributed
 from shardplan.inter import split as split_mod
 from shardplan.plan import Plan
 from shardplan.strategies.spec import MeshShape
@@ -132,6 +133,7 @@ class PipelineRuntime:
                  meshes: Sequence, specs: Sequence[Mapping[int, P]], schedule: str = "1f1b"):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
+        distributed.refuse_mpmd_pipeline()
         self.split, self.ios, self.meshes = split, tuple(ios), tuple(meshes)
         self.specs = tuple(dict(s) for s in specs)
         self.schedule = schedule
