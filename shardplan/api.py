@@ -12,7 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan import _compat, measure
+from shardplan import _compat, distributed, measure
+from shardplan import cache as cache_mod
+from shardplan import fingerprint as fingerprint_mod
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.emit.jit import emit_jit
 from shardplan.emit.pipeline import emit_pipeline
@@ -53,18 +55,22 @@ class AutoStep:
 
     def __init__(self, fn, mesh=None, options: SearchOptions = DEFAULTS,
                  plan: Plan | None = None, hardware: str | HardwareProfile | None = None,
-                 donate_argnums: tuple[int, ...] = ()):
+                 donate_argnums: tuple[int, ...] = (), cache=True):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._mesh = mesh
         self.options = options
         self.hardware = hardware
         self.donate_argnums = tuple(donate_argnums)
+        self.plan_cache = cache
         self._given_plan = plan
+        self.plan_cache = cache
         self._cache: dict[tuple, tuple[Plan, Any]] = {}
 
     @property
     def mesh(self):
+        if self._mesh is None:
+            self._mesh = distributed.default_mesh()
         if self._mesh is None:
             self._mesh = jax.make_mesh((len(jax.devices()),), ("devices",),
                                        axis_types=(jax.sharding.AxisType.Auto,))
@@ -81,9 +87,11 @@ class AutoStep:
         mesh, o = self.mesh, self.options
         traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
-        if self._given_plan is not None:
-            plan, graph = _adopt(self._given_plan, traced, mesh)
-        elif o.pipeline is not False:
+        if o.pipeline is True and distributed.is_multi_controller():
+            distributed.refuse_mpmd_pipeline()
+        # Multi-controller, pipeline="auto" plans one program: MPMD stages cannot run there.
+        if (self._given_plan is None and o.pipeline is not False
+                and not distributed.is_multi_controller()):
             choice = choose(self.fn, args, mesh, hw, o, traced=traced)
             if choice.pipelined:
                 pp = choice.pipeline
@@ -91,10 +99,21 @@ class AutoStep:
                                                   pp.device_mesh, pp.schedule)
             plan, graph = dataclasses.replace(choice.plan, device_mesh=mesh), choice.intra_graph
         else:
-            plan, graph, _ = measure.plan_measured(traced, MeshShape.of(mesh), hw, o,
-                                                   device_mesh=mesh,
-                                                   device_order=[d.id for d in mesh.devices.flat],
-                                                   donate_argnums=self.donate_argnums)
+            # One plan for every process: planned once (or loaded from the cache), checked
+            # before the first step.
+            o1 = o.replace(pipeline=False) if o.pipeline is not False else o
+            fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o1)
+
+            def obtain():
+                if self._given_plan is not None:
+                    return self._given_plan
+                return cache_mod.cached(self.plan_cache, fp, lambda: measure.plan_measured(
+                    traced, MeshShape.of(mesh), hw, o1, device_mesh=mesh,
+                    device_order=[d.id for d in mesh.devices.flat],
+                    donate_argnums=self.donate_argnums)[0])
+
+            plan = distributed.plan_once(fp, obtain, broadcast=self._given_plan is None)
+            plan, graph = _adopt(plan, traced, mesh)
         jitted, _, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
                                 plan.input_specs, plan.output_specs, plan.constraints,
                                 plan.operand_specs, self.donate_argnums)
@@ -131,7 +150,7 @@ def _adopt(plan: Plan, traced: TracedStep, mesh):
 
 def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
          donate_argnums: Sequence[int] = (), plan: Plan | str | None = None,
-         options: SearchOptions | None = None, **search_options):
+         options: SearchOptions | None = None, cache=True, **search_options):
     """Plan and run a single-device train step over a device mesh.
 
     Use bare (`@shardplan.auto`: all devices on one axis) or with options. The step is traced
@@ -139,7 +158,8 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
     chosen by an ILP over the cost model of `hardware`), and run as one jax.jit.
 
     Args:
-      mesh: a jax.sharding.Mesh (Auto or Explicit axes); default all devices on one axis.
+      mesh: a jax.sharding.Mesh (Auto or Explicit axes); default all devices on one axis
+        (under jax.distributed: axes ("hosts", "devices"), the processes along the first).
       hardware: a profile name (see shardplan.cost.hardware.PROFILES) or HardwareProfile;
         default by the devices' platform.
       donate_argnums: arguments whose buffers the step may reuse (usually the state).
@@ -152,16 +172,22 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
         submeshes; "auto": stages only where the cost model says they pay; pipelines need
         the step's gradient taken with shardplan.value_and_grad / shardplan.grad),
         num_micro_batches, num_stages, num_layers, schedule ("1f1b" or "gpipe").
+      cache: reuse plans saved on disk by step fingerprint (shardplan.cache): True (the
+        directory $SHARDPLAN_CACHE or ~/.cache/shardplan), False, or a directory.
+
+    Under jax.distributed (several processes), process 0 plans (or loads the cached plan) and
+    broadcasts it, and every process checks that all run the same plan before the first step
+    (shardplan.distributed); build the inputs with shardplan.global_args.
     """
     if isinstance(plan, str):
         plan = load_plan(plan)
     options = _options(options, search_options)
     if fn is None:
-        return lambda f: AutoStep(f, mesh, options, plan, hardware, tuple(donate_argnums))
+        return lambda f: AutoStep(f, mesh, options, plan, hardware, tuple(donate_argnums), cache)
     if not callable(fn):
         raise TypeError(f"shardplan.auto takes a function to plan, got {type(fn).__name__}; "
                         "pass options by keyword: shardplan.auto(step, mesh=mesh)")
-    return AutoStep(fn, mesh, options, plan, hardware, tuple(donate_argnums))
+    return AutoStep(fn, mesh, options, plan, hardware, tuple(donate_argnums), cache)
 
 
 def coverage(fn, *args, state_argnums: Sequence[int] | None = None,

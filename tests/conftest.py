@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests plan afresh: no plan from an earlier run (or another test) is read from disk. The
+# cache tests pass their own directories.
+os.environ.setdefault("SHARDPLAN_CACHE", "off")
 
 import jax
 

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplan import distributed
 from shardplan.inter import schedule as schedule_mod
 from shardplan.inter import split as split_mod
 from shardplan.inter import stage_io
@@ -50,6 +51,7 @@ class PipelineRuntime:
 
     def __init__(self, split: split_mod.SplitStep, ios: Sequence[stage_io.StageIO],
                  meshes: Sequence, specs: Sequence[Mapping[int, P]], schedule: str):
+        distributed.refuse_mpmd_pipeline()
         self.split, self.ios, self.meshes = split, tuple(ios), tuple(meshes)
         self.specs = tuple(dict(s) for s in specs)
         self.schedule = schedule
