@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from shardplan.intra.planner import IntraOptions
 from shardplan.options import SearchOptions
+from shardplan.strategies.spec import ShardSpec
 
 
-def intra_options(options: SearchOptions, memory_budget: float | None = None) -> IntraOptions:
+def intra_options(options: SearchOptions, memory_budget: float | None = None,
+                  fixed_inputs: Mapping[int, ShardSpec] | None = None) -> IntraOptions:
     """IntraOptions with the solver settings of `options` and `memory_budget` (the ILP's
-    budget, which the measured selection may tighten below the search's)."""
+    budget, which the measured selection may tighten below the search's); `fixed_inputs` are
+    the inputs the options' hints pin (shardplan.intra.hints.fixed_inputs)."""
     return IntraOptions(memory_budget=memory_budget, time_limit_s=options.time_limit,
-                        seed=options.solver_seed, workers=options.workers)
+                        seed=options.solver_seed, workers=options.workers,
+                        fixed_inputs=dict(fixed_inputs or {}))
