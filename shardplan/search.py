@@ -59,11 +59,18 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
         constraints={v: intra.value_specs[v] for v in sorted(intra.constrained)},
         estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
         memory_budget=options.memory_budget, ops=tuple(ops),
-        search_s=time.perf_counter() - start, notes=intra.notes,
+        search_s=time.perf_counter() - start, notes=intra.notes + _pinned_note(fixed, traced),
         solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, "
                f"{intra.num_choices} choices",
         in_tree=traced.in_tree, out_tree=traced.out_tree, device_mesh=device_mesh)
     return plan, intra
+
+
+def _pinned_note(fixed, traced: TracedStep) -> tuple[str, ...]:
+    if not fixed:
+        return ()
+    n = len(traced.in_avals)
+    return (f"hints pinned {len(fixed)} of {n} inputs; the ILP planned the rest",)
 
 
 def plan_step(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
