@@ -72,16 +72,17 @@ class Hints:
     `Hints({"0/params/**/kernel": P(None, "model"), "2/**": P("data")},
     logical_axis_rules=[("batch", "data"), ("mlp", "model"), ("embed", None)],
     logical_specs=nn.get_partition_spec(variables))`. A dict or a list of (pattern, spec)
-    pairs given as `hints=` is the `pins` of a Hints."""
+    pairs given as `hints=` is the `pins` of a Hints; lists and dicts are normalised to
+    tuples, so Hints (and SearchOptions) stay hashable."""
 
-    pins: Any = ()
+    pins: tuple[tuple[str, PartitionSpec], ...] = ()
     """(pattern, PartitionSpec) pairs, first match wins. A pattern is matched against the
     '/'-joined path of each flat input, argument index first (`0/params/Dense_0/kernel`,
     `2/input_ids`): `*` is one component (or part of one: `Dense_*`), `**` any number."""
-    logical_axis_rules: Any = ()
+    logical_axis_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
     """(logical name, mesh axis, axes or None) pairs, as flax's `nn.logical_axis_rules`:
     each dimension takes the first rule of its name whose mesh axes are still free."""
-    logical_names: Any = ()
+    logical_names: tuple[tuple[str, tuple], ...] = ()
     """(path, logical names per dimension) of parameters that carry names: from
     `logical_specs`, and from flax boxes in the arguments (shardplan.hints). A path with an
     argument index is that input's; one without applies to every argument whose path equals
