@@ -195,3 +195,31 @@ def test_a_typo_in_a_hint_is_an_error(mesh2x4):
     planned = shardplan.auto(step, mesh=mesh2x4, hints={"0/params/Dense_0/kernal": P()})
     with pytest.raises(ValueError, match="kernal"):
         planned.plan(*args)
+
+
+def test_nnx_with_partitioning_names():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+            self.up = nnx.Linear(32, 64, kernel_init=init, rngs=rngs)
+            self.down = nnx.Linear(64, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(nnx.relu(self.up(x)))
+
+    with nnx.use_eager_sharding(False):  # names without a mesh to place them on
+        graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+
+    def step(state, x):
+        loss, grads = jax.value_and_grad(
+            lambda s: jnp.mean(nnx.merge(graphdef, s)(x) ** 2))(state)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), loss
+
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    plan = shardplan.search(step, state, x, mesh_shape=(2, 4), axis_names=("data", "model"),
+                            hints=shardplan.Hints(logical_axis_rules=RULES), time_limit=10)
+    assert plan.in_specs["[0]['up']['kernel'].value"] == P(None, "model")
+    assert plan.out_specs["[0]['up']['kernel'].value"] == P(None, "model")
+    assert any(n.startswith("hints pinned 1 of") for n in plan.notes)
