@@ -4,11 +4,11 @@ from shardplan.api import AutoStep, auto, coverage, search
 from shardplan.distributed import PlanMismatchError, global_args
 from shardplan.grad import grad, stage_boundary, value_and_grad
 from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
-from shardplan.options import SearchOptions
+from shardplan.options import Hints, SearchOptions
 from shardplan.plan import Estimate, Plan, load_plan
 from shardplan.strategies.coverage import Coverage
 from shardplan.timeline import draw_plan as draw_timeline
 
-__all__ = ["AutoStep", "Coverage", "Estimate", "InfeasibleMemory", "Plan", "PlanMismatchError",
+__all__ = ["AutoStep", "Coverage", "Estimate", "Hints", "InfeasibleMemory", "Plan", "PlanMismatchError",
            "SearchOptions", "SearchTimeout", "auto", "coverage", "draw_timeline", "global_args",
            "grad", "load_plan", "search", "stage_boundary", "value_and_grad"]

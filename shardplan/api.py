@@ -15,6 +15,7 @@ import numpy as np
 from shardplan import _compat, distributed, measure
 from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
+from shardplan import hints as hints_mod
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.emit.jit import emit_jit
 from shardplan.emit.pipeline import emit_pipeline
@@ -84,7 +85,8 @@ class AutoStep:
 
     def _plan_and_emit(self, args) -> tuple[Plan, Any]:
         """Trace, plan (or adopt the given plan) and emit: (plan, the callable that runs it)."""
-        mesh, o = self.mesh, self.options
+        mesh = self.mesh
+        o = self.options.replace(hints=hints_mod.with_boxes(self.options.hints, args))
         traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
         if o.pipeline is True and distributed.is_multi_controller():
@@ -171,7 +173,11 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
         the cheapest that fits), pipeline (False: one program; True: pipeline stages on
         submeshes; "auto": stages only where the cost model says they pay; pipelines need
         the step's gradient taken with shardplan.value_and_grad / shardplan.grad),
-        num_micro_batches, num_stages, num_layers, schedule ("1f1b" or "gpipe").
+        num_micro_batches, num_stages, num_layers, schedule ("1f1b" or "gpipe"), hints
+        (shardings to pin, the planner choosing the rest: a dict {path pattern:
+        PartitionSpec} such as {"2/**": P("data")}, or a shardplan.Hints with
+        logical_axis_rules for parameters that carry logical axis names; see
+        docs/concepts.md#hints).
       cache: reuse plans saved on disk by step fingerprint (shardplan.cache): True (the
         directory $SHARDPLAN_CACHE or ~/.cache/shardplan), False, or a directory.
 
@@ -244,6 +250,7 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
                                                   tuple(f"axis{i}" for i in range(len(mesh_shape))))
     if len(names) != len(mesh_shape):
         raise ValueError(f"axis_names {names} and mesh_shape {mesh_shape} differ in length")
+    options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args))
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
     plan, _, _ = measure.plan_measured(traced, MeshShape(names, mesh_shape), hw, options)
     return plan

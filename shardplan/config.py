@@ -3,7 +3,8 @@
     model:   {name: gpt, size: gpt2-124m, batch_size: 8}      # or {entry: "pkg.mod:fn"}
     cluster: {hardware: a100-80gb, mesh: {shape: [2, 4], axes: [data, model]},
               memory_budget: 40GiB}                           # or mesh: {devices: 8}
-    search:  {pipeline: auto, num_micro_batches: 1, schedule: 1f1b, time_limit: 30}  # SearchOptions
+    search:  {pipeline: auto, num_micro_batches: 1, schedule: 1f1b, time_limit: 30,  # SearchOptions
+              hints: {"2/**": [data]}}
     output:  {dir: shardplan-out, formats: [json, md, png]}
 
 `load_config(path, ["model.size=gpt2-1.5b"])` reads a file, applies `--set` overrides (values
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from shardplan import models
 from shardplan.cost.hardware import HardwareProfile, get_profile
-from shardplan.options import DEFAULTS, SearchOptions
+from shardplan.options import DEFAULTS, Hints, SearchOptions
 from shardplan.units import parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -178,6 +179,16 @@ class SearchSection(_Section):
     """Compile the searched plan and the expert plans with XLA on CPU devices, price each
     with the cluster's profile and keep the cheapest that fits (meshes of at most 64
     devices; on larger ones the cost model decides alone)."""
+    hints: dict[str, list[str | list[str] | None] | None] = Field(default_factory=dict)
+    """Shardings to pin, the planner choosing the rest: input path pattern -> one mesh axis
+    (a list of axes, or null) per dimension, first match wins, e.g. `"0/params/**/kernel":
+    [null, model]`, `"2/**": [data]`; null pins replicated. Paths are '/'-joined, argument
+    index first; `*` is one component, `**` any number. A pattern matching no input is an
+    error. One program only: not with pipeline: true."""
+    logical_axis_rules: list[tuple[str, str | list[str] | None]] = Field(default_factory=list)
+    """(logical name, mesh axis or null) pairs for parameters that carry logical axis names
+    (flax nn.with_logical_partitioning, nnx.with_partitioning), first match wins, e.g.
+    `[[batch, data], [mlp, model], [embed, null]]`; hints may name logical axes too."""
 
     @field_validator("pipeline", mode="before")
     @classmethod
@@ -185,6 +196,17 @@ class SearchSection(_Section):
         if value in ("auto", True, False):
             return value
         raise ValueError(f"must be auto, true or false, got {value!r}")
+
+    @model_validator(mode="after")
+    def _hints_one_program(self):
+        if self.hints and self.pipeline is True:
+            raise ValueError("hints pin the shardings of one program: set pipeline to auto "
+                             "or false, or drop the hints")
+        return self
+
+    def to_hints(self) -> Hints:
+        """The hints and logical axis rules as shardplan.Hints."""
+        return Hints(self.hints, logical_axis_rules=self.logical_axis_rules)
 
 
 class OutputSection(_Section):
@@ -233,7 +255,7 @@ class Config(_Section):
         return SearchOptions(memory_budget=self.budget_bytes(), time_limit=s.time_limit,
                              solver_seed=s.solver_seed, workers=s.workers, pipeline=s.pipeline,
                              num_micro_batches=s.num_micro_batches, schedule=s.schedule,
-                             measure=s.measure)
+                             measure=s.measure, hints=s.to_hints())
 
 
 def _resolve(hardware: str, source: str | None) -> str:

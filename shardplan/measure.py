@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ from shardplan.ir.graph import Graph, Role
 from shardplan.ir.trace import TracedStep
 from shardplan.options import SearchOptions
 from shardplan.plan import Estimate, Plan
-from shardplan.search import donated_inputs, plan_graph, plan_step
+from shardplan.search import donated_inputs, pinned_inputs, plan_graph, plan_step
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import Deadline, fmt_bytes, fmt_seconds
 
@@ -86,12 +86,15 @@ def compute_dtype(graph: Graph) -> str:
     return max(flops, key=flops.get) if flops else "float32"
 
 
-def expert_plans(graph: Graph, plan: Plan) -> dict[str, Plan]:
-    """The expert plans for this step as Plans: their input specs, state outputs tied to
-    their inputs, the other outputs replicated, no constraint on any intermediate."""
+def expert_plans(graph: Graph, plan: Plan,
+                 pinned: Mapping[int, ShardSpec] | None = None) -> dict[str, Plan]:
+    """The expert plans for this step as Plans: their input specs (but the `pinned` inputs'
+    specs, which hints fix), state outputs tied to their inputs, the other outputs replicated,
+    no constraint on any intermediate."""
     out = {}
+    pinned = pinned or {}
     for name, fixed in experts.expert_inputs(graph, plan.mesh).items():
-        inputs = tuple(fixed[i] for i in range(len(graph.inputs)))
+        inputs = tuple(pinned.get(i, fixed[i]) for i in range(len(graph.inputs)))
         outputs = tuple(inputs[tie] if tie is not None else
                         ShardSpec.replicated(graph.values[v].ndim)
                         for v, tie in zip(graph.outputs, graph.output_ties))
@@ -100,7 +103,8 @@ def expert_plans(graph: Graph, plan: Plan) -> dict[str, Plan]:
         out[name] = dataclasses.replace(
             plan, input_specs=inputs, output_specs=outputs, constraints={}, operand_specs={},
             ops=(), notes=(), estimate=Estimate(0.0, 0.0, 0.0, state),
-            solver=f"{name} (the expert's input shardings; XLA propagates the rest)")
+            solver=f"{name} (the expert's input shardings{', hints pinned' if pinned else ''}; "
+                   "XLA propagates the rest)")
     return out
 
 
@@ -168,13 +172,14 @@ RECALIBRATIONS = 2
 
 def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
            memory_budget: float | None = None, donate_argnums: Sequence[int] = (),
+           pinned: Mapping[int, ShardSpec] | None = None,
            replan: Callable[[float], Plan] | None = None,
            progress: Callable[[str], Any] | None = None
            ) -> tuple[Plan, tuple[MeasuredProgram, ...]]:
     """Compile the searched plan and every expert plan on `mesh`, keep the cheapest priced
     program that fits `memory_budget` (compiled peak bytes per device). The searched plan is
     kept unless another is cheaper by more than MARGIN; when nothing fits, the one that needs
-    the least memory is kept. The kept plan's estimate becomes the measured one and its
+    the least memory is kept. The expert plans keep the `pinned` inputs' specs (hints). The kept plan's estimate becomes the measured one and its
     notes list every candidate.
 
     The memory model misses some of XLA's temporaries, so a searched plan can compile over a
@@ -190,7 +195,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
 
     candidates = [run("searched", plan)]
     stopped = _recalibrate(candidates, run, memory_budget, replan)
-    for name, p in expert_plans(graph, plan).items():
+    for name, p in expert_plans(graph, plan, pinned).items():
         candidates.append(run(name, p))
     priced = [c for c in candidates if c.priced is not None]
     if not priced:
@@ -294,7 +299,8 @@ def plan_measured(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile
 
     mesh = device_mesh if device_mesh is not None else cpu_mesh(mesh_shape)
     plan, _ = select(graph, traced, plan, mesh, hw, memory_budget=options.memory_budget,
-                     donate_argnums=traced.state_argnums, replan=replan)
+                     donate_argnums=traced.state_argnums, replan=replan,
+                     pinned=pinned_inputs(traced, mesh_shape, options))
     plan = dataclasses.replace(plan, search_s=time.perf_counter() - start,
                                device_mesh=device_mesh)
     return plan, graph, intra

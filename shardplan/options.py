@@ -7,7 +7,11 @@ read it (shardplan.search turns it into the intra-op planner's IntraOptions).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
 
 from shardplan.units import parse_bytes
 
@@ -25,6 +29,100 @@ def check_schedule(schedule: str) -> str:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
     return schedule
+
+
+def path_str(keypath) -> str:
+    """The '/'-joined path of a pytree leaf (`0/params/Dense_0/kernel`) from its jax key path.
+    A trailing `value` attribute (the array inside a flax metadata box or nnx Variable) is
+    dropped, so a parameter has the same path boxed or not."""
+    parts = []
+    for k in keypath:
+        for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    if parts and parts[-1] == "value" and isinstance(keypath[-1], jax.tree_util.GetAttrKey):
+        parts.pop()
+    return "/".join(parts)
+
+
+def partition_spec(spec) -> PartitionSpec:
+    """A PartitionSpec from a loose user value: a PartitionSpec, a sequence of entries (None,
+    an axis name, or a sequence of axis names) as YAML gives it, or None (replicated)."""
+    if spec is None:
+        return PartitionSpec()
+    if isinstance(spec, PartitionSpec):
+        return spec
+    if isinstance(spec, str) or not isinstance(spec, Sequence):
+        raise TypeError(f"{spec!r} is no PartitionSpec: give PartitionSpec(...) or a list of "
+                         "axis names, None or lists of axis names, one per dimension")
+    return PartitionSpec(*(e if e is None or isinstance(e, str) else tuple(e) for e in spec))
+
+
+def _axes(entry) -> str | tuple[str, ...] | None:
+    return entry if entry is None or isinstance(entry, str) else tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hints:
+    """Shardings the user fixes; the planner chooses the rest (shardplan.intra.hints).
+
+    `Hints({"0/params/**/kernel": P(None, "model"), "2/**": P("data")},
+    logical_axis_rules=[("batch", "data"), ("mlp", "model"), ("embed", None)],
+    logical_specs=nn.get_partition_spec(variables))`. A dict or a list of (pattern, spec)
+    pairs given as `hints=` is the `pins` of a Hints; lists and dicts are normalised to
+    tuples, so Hints (and SearchOptions) stay hashable."""
+
+    pins: tuple[tuple[str, PartitionSpec], ...] = ()
+    """(pattern, PartitionSpec) pairs, first match wins. A pattern is matched against the
+    '/'-joined path of each flat input, argument index first (`0/params/Dense_0/kernel`,
+    `2/input_ids`): `*` is one component (or part of one: `Dense_*`), `**` any number."""
+    logical_axis_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
+    """(logical name, mesh axis, axes or None) pairs, as flax's `nn.logical_axis_rules`:
+    each dimension takes the first rule of its name whose mesh axes are still free."""
+    logical_names: tuple[tuple[str, tuple], ...] = ()
+    """(path, logical names per dimension) of parameters that carry names: from
+    `logical_specs`, and from flax boxes in the arguments (shardplan.hints). A path with an
+    argument index is that input's; one without applies to every argument whose path equals
+    or ends with it (optax's mu and nu mirror the parameters)."""
+    logical_specs: dataclasses.InitVar[Any] = None
+    """A pytree of PartitionSpecs of logical names shaped like a parameter argument
+    (`nn.get_partition_spec(variables)`, `nnx.get_partition_spec(state)`)."""
+
+    def __post_init__(self, logical_specs):
+        pins = self.pins.items() if isinstance(self.pins, Mapping) else self.pins
+        try:
+            pins = tuple((str(pat), partition_spec(spec)) for pat, spec in pins)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"hints: give a dict or a list of (pattern, PartitionSpec) "
+                             f"pairs: {e}") from None
+        rules = tuple((str(name), _axes(axes)) for name, axes in self.logical_axis_rules)
+        names = tuple((str(p), tuple(_axes(e) for e in n)) for p, n in self.logical_names)
+        if logical_specs is not None:
+            leaves = jax.tree_util.tree_flatten_with_path(
+                logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)[0]
+            # P() is what flax gives a parameter without names: left to the planner
+            names += tuple((path_str(p), tuple(_axes(e) for e in s)) for p, s in leaves
+                           if isinstance(s, PartitionSpec) and len(s))
+        object.__setattr__(self, "pins", pins)
+        object.__setattr__(self, "logical_axis_rules", rules)
+        object.__setattr__(self, "logical_names", names)
+
+    @classmethod
+    def of(cls, hints) -> Hints:
+        """Hints from what a user passes as `hints=`: None, a Hints, a dict or pairs."""
+        if hints is None:
+            return cls()
+        return hints if isinstance(hints, Hints) else cls(hints)
+
+    def __bool__(self) -> bool:
+        return bool(self.pins or self.logical_names)
+
+    def with_logical_names(self, names) -> Hints:
+        """These hints with more (path, names) entries (from flax boxes in the arguments)."""
+        return dataclasses.replace(self, logical_names=self.logical_names + tuple(names))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +158,16 @@ class SearchOptions:
     while_trips: float = 1.0
     """Iterations a while loop JAX knows no trip count of is priced at (scan and fori_loop
     with static bounds have theirs); the plan's notes say when this was used."""
+    hints: Hints = Hints()
+    """Shardings to pin (a Hints, or a dict / list of (pattern, PartitionSpec) pairs): the
+    planner keeps them and plans the rest. One program only (not with pipeline=True)."""
 
     def __post_init__(self):
+        object.__setattr__(self, "hints", Hints.of(self.hints))
+        if self.hints and self.pipeline is True:
+            raise ValueError("hints pin the shardings of one program; pipeline stages do not "
+                             "take them: pass pipeline=False (or 'auto', which then plans one "
+                             "program)")
         if self.pipeline not in PIPELINE_MODES:
             raise ValueError(f"pipeline={self.pipeline!r}: use 'auto', True or False")
         check_schedule(self.schedule)

@@ -18,6 +18,7 @@ from shardplan.inter import split as split_mod
 from shardplan.inter import stages as stages_mod
 from shardplan.inter.planner import PipelinePlan, plan_pipeline
 from shardplan.inter.tables import Cluster
+from shardplan.intra import hints as hints_mod
 from shardplan.intra.options import intra_options
 from shardplan.intra.planner import IntraPlan, plan_intra
 from shardplan.ir.graph import Graph
@@ -25,8 +26,15 @@ from shardplan.ir.lift import LiftOptions, lift
 from shardplan.ir.trace import TracedStep, trace
 from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.plan import OpRow, Plan
-from shardplan.strategies.spec import MeshShape
+from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import Deadline, fmt_seconds
+
+
+def pinned_inputs(traced: TracedStep, mesh_shape: MeshShape,
+                  options: SearchOptions) -> dict[int, ShardSpec]:
+    """{flat input index: spec} of the inputs the options' hints pin on `mesh_shape`."""
+    return dict(hints_mod.fixed_inputs(options.hints, traced.input_paths,
+                                       [a.shape for a in traced.in_avals], mesh_shape))
 
 
 def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
@@ -38,8 +46,9 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
     start = time.perf_counter() if start is None else start
     cost = AlphaBetaCost(mesh_shape, hw, device_order)
     budget = options.memory_budget if ilp_budget is None else ilp_budget
-    intra = plan_intra(graph, mesh_shape, cost,
-                       intra_options(options, budget, deadline=deadline, donated=donated))
+    fixed = pinned_inputs(traced, mesh_shape, options)
+    intra = plan_intra(graph, mesh_shape, cost, intra_options(options, budget, fixed,
+                                                             deadline=deadline, donated=donated))
     ops = []
     for node in graph.nodes:
         s = intra.node_strategies[node.id]
@@ -52,11 +61,18 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
         constraints={v: intra.value_specs[v] for v in sorted(intra.constrained)},
         estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
         memory_budget=options.memory_budget, ops=tuple(ops),
-        search_s=time.perf_counter() - start, notes=intra.notes,
+        search_s=time.perf_counter() - start, notes=intra.notes + _pinned_note(fixed, traced),
         solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, "
                f"{intra.num_choices} choices",
         in_tree=traced.in_tree, out_tree=traced.out_tree, device_mesh=device_mesh)
     return plan, intra
+
+
+def _pinned_note(fixed, traced: TracedStep) -> tuple[str, ...]:
+    if not fixed:
+        return ()
+    n = len(traced.in_avals)
+    return (f"hints pinned {len(fixed)} of {n} inputs; the ILP planned the rest",)
 
 
 def plan_step(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
@@ -139,6 +155,10 @@ def choose(fn, args: Sequence, mesh, hardware: HardwareProfile,
     intra_total = intra.estimate.total_s
     if options.pipeline is False:
         text = f"pipeline=False: pure intra-op, estimated step {fmt_seconds(intra_total)}"
+        return Choice(False, _with_notes(intra, (text,)), None, intra, text, graph)
+    if options.hints:
+        text = (f"one stage (pure intra-op, estimated step {fmt_seconds(intra_total)}): "
+                "pipelines are not planned with hints")
         return Choice(False, _with_notes(intra, (text,)), None, intra, text, graph)
     try:
         pp = plan_pipeline(fn, args, mesh, hardware, options, min_stages=2,

@@ -169,3 +169,28 @@ def test_file_errors(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(bad)
     assert info.value.key == "source" and str(bad) in str(info.value)
+
+
+def test_hints_load_as_search_options(tmp_path):
+    from jax.sharding import PartitionSpec as P
+
+    path = tmp_path / "hints.yaml"
+    path.write_text("""
+model: {name: mlp, size: tiny}
+cluster: {hardware: a100-80gb, mesh: {shape: [2, 4]}}
+search:
+  hints:
+    "0/params/**/kernel": [null, model]
+    "2/**": [[data, model]]
+    "1/**": null
+  logical_axis_rules: [[batch, data], [mlp, model], [embed, null]]
+""")
+    hints = load_config(path).search_options().hints
+    assert hints.pins == (("0/params/**/kernel", P(None, "model")),
+                          ("2/**", P(("data", "model"))), ("1/**", P()))
+    assert hints.logical_axis_rules == (("batch", "data"), ("mlp", "model"), ("embed", None))
+    assert not parse_config(BASE).search_options().hints
+    e = _error(BASE, ['search.hints={"2/**": [data]}', "search.pipeline=true"])
+    assert e.key == "search" and "pipeline" in str(e)
+    e = _error(BASE, ["search.hints=[data]"])
+    assert e.key == "search.hints"

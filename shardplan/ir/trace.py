@@ -11,6 +11,7 @@ import numpy as np
 
 from shardplan.ir.graph import Role
 from shardplan.ir.lift import ArgInfo
+from shardplan.options import path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,7 @@ class TracedStep:
     out_avals: tuple
     state_argnums: tuple[int, ...]
     arg_leaf_counts: tuple[int, ...]
+    input_paths: tuple[str, ...] = ()  # '/'-joined, argument index first (options.path_str)
 
 
 def abstractify(x):
@@ -88,12 +90,12 @@ def trace(fn, args: Sequence, state_argnums: Sequence[int] | None = None,
                     ties[out_starts[j] + k] = int(starts[i] + k)
                 break
 
-    in_names = tuple(jax.tree_util.keystr(p) for p, _ in
-                     jax.tree_util.tree_flatten_with_path(abstract)[0])
+    in_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    in_names = tuple(jax.tree_util.keystr(p) for p in in_paths)
     out_names = tuple(jax.tree_util.keystr(p) for p, _ in
                       jax.tree_util.tree_flatten_with_path(out_elems)[0])
     info = ArgInfo(tuple(roles), tuple(ties), in_names, out_names)
     in_leaves, in_tree = jax.tree_util.tree_flatten(abstract)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     return TracedStep(closed, info, in_tree, out_tree, tuple(in_leaves), tuple(out_leaves),
-                      state_argnums, tuple(counts))
+                      state_argnums, tuple(counts), tuple(path_str(p) for p in in_paths))

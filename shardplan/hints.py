@@ -1,0 +1,53 @@
+"""Logical axis names carried by flax parameters in a step's arguments, as Hints entries:
+linen's `nn.with_partitioning` / `nn.with_logical_partitioning` boxes (`nn.Partitioned`,
+`nn.LogicallyPartitioned`) and nnx Variables made with `nnx.with_partitioning`. The matching
+and the rules are shardplan.intra.hints'.
+
+flax's classes are read from `sys.modules`: a box can only be in the arguments when the user
+imported flax, and a step without flax does not pay for importing it (about a second)."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+
+from shardplan.options import Hints, path_str
+
+# nnx Variable metadata holding the names of a value's dimensions, newest first
+_NNX_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def _classes() -> tuple[type, ...]:
+    meta, nnx = sys.modules.get("flax.core.meta"), sys.modules.get("flax.nnx")
+    return ((meta.Partitioned,) if meta else ()) + ((nnx.Variable,) if nnx else ())
+
+
+def _names(box) -> tuple | None:
+    names = getattr(box, "names", None)
+    if names is None and hasattr(box, "get_metadata"):
+        metadata = box.get_metadata()
+        names = next((metadata[k] for k in _NNX_KEYS if metadata.get(k)), None)
+    return None if names is None else tuple(names)
+
+
+def box_names(args) -> tuple[tuple[str, tuple], ...]:
+    """(path, names) of every flax box in `args` (the step's positional arguments) whose value
+    carries axis names; paths as the trace's (argument index first)."""
+    classes = _classes()
+    if not classes:
+        return ()
+    leaves = jax.tree_util.tree_flatten_with_path(
+        tuple(args), is_leaf=lambda x: isinstance(x, classes))[0]
+    out = []
+    for path, leaf in leaves:
+        names = _names(leaf) if isinstance(leaf, classes) else None
+        if names:
+            out.append((path_str(path), names))
+    return tuple(out)
+
+
+def with_boxes(hints: Hints, args) -> Hints:
+    """`hints` with the names the flax boxes in `args` carry (unchanged when none do)."""
+    found = box_names(args)
+    return hints.with_logical_names(found) if found else hints

@@ -1,0 +1,148 @@
+"""Hints -> pinned inputs: which flat inputs the user's patterns and logical axis names fix,
+and to which ShardSpec (IntraOptions.fixed_inputs). Pure functions of the inputs' paths and
+shapes and the mesh; the flax-specific reading of names is shardplan.hints'."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+
+from jax.sharding import PartitionSpec
+
+from shardplan.options import Hints
+from shardplan.strategies.spec import MeshShape, ShardSpec
+
+Axes = str | tuple[str, ...] | None
+
+
+def matches(pattern: str, path: str) -> bool:
+    """Whether the '/'-joined `path` matches the glob `pattern`: `**` is any number of
+    components (none too), any other component is an fnmatch pattern of one component."""
+    return _match(tuple(pattern.strip("/").split("/")), tuple(path.split("/")))
+
+
+def _match(pat: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    if not pat:
+        return not parts
+    if pat[0] == "**":
+        return any(_match(pat[1:], parts[k:]) for k in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and _match(pat[1:], parts[1:])
+
+
+def logical_to_mesh(names: Sequence[Axes], rules: Sequence[tuple[str, Axes]],
+                    mesh: MeshShape) -> PartitionSpec:
+    """The mesh axes of a value whose dimensions carry logical `names`, as flax's
+    `logical_to_mesh_axes`: rules in order, each taken by the first dimension of its name that
+    is unassigned when its mesh axes are all free. A name no rule assigns stays on no axis,
+    unless it is a mesh axis itself (flax's `with_partitioning` names mesh axes directly)."""
+    unset = object()
+    out: list = [unset] * len(names)
+
+    def taken() -> set[str]:
+        return {a for e in out if e is not unset and e is not None for a in _tuple(e)}
+
+    for name, axes in rules:
+        if name in names:
+            i = list(names).index(name)
+            if out[i] is unset and not set(_tuple(axes)) & taken():
+                out[i] = axes
+    for i, n in enumerate(names):
+        if out[i] is unset:
+            out[i] = n if isinstance(n, str) and n in mesh.names and n not in taken() else None
+    return PartitionSpec(*out)
+
+
+def _tuple(axes: Axes) -> tuple[str, ...]:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def check_spec(spec: PartitionSpec, shape: Sequence[int], mesh: MeshShape,
+               name: str, source: str) -> ShardSpec:
+    """`spec` as a ShardSpec of a value of `shape`, or the ValueError naming the input, the
+    hint it came from and what does not fit."""
+    where = f"hint {source} for input {name} (shape {tuple(shape)})"
+    if len(spec) > len(shape):
+        raise ValueError(f"{where}: {spec} has {len(spec)} entries, the value {len(shape)} "
+                         "dimensions")
+    seen: list[str] = []
+    for d, entry in enumerate(spec):
+        axes = _tuple(entry)
+        for a in axes:
+            if a not in mesh.names:
+                raise ValueError(f"{where}: {a!r} is not a mesh axis; the mesh has "
+                                 f"{', '.join(mesh.names)}")
+            if a in seen:
+                raise ValueError(f"{where}: {spec} uses mesh axis {a!r} twice")
+            seen.append(a)
+        if axes and shape[d] % mesh.size(axes):
+            raise ValueError(f"{where}: dimension {d} of size {shape[d]} does not divide "
+                             f"into {mesh.size(axes)} pieces over {'+'.join(axes)}")
+    return ShardSpec.from_partition_spec(spec, len(shape))
+
+
+def _translated(spec: PartitionSpec, rules: Sequence[tuple[str, Axes]],
+                mesh: MeshShape) -> PartitionSpec:
+    """A pinned spec that names logical axes (P("batch")) in mesh axes, by the rules; a spec
+    of mesh axes (or of names no rule knows: check_spec names them) as it is."""
+    known = {name for name, _ in rules}
+    if any(isinstance(e, str) and e in known and e not in mesh.names for e in spec) \
+            and all(e is None or isinstance(e, str) for e in spec):
+        return logical_to_mesh(tuple(spec), rules, mesh)
+    return spec
+
+
+def _logical_entry(path: str, entries: Sequence[tuple[str, tuple]]) -> tuple[str, tuple] | None:
+    """The logical names entry for the input at `path`: its own (argument index included),
+    else one for its path within its argument, else the longest that ends its path (optax's
+    mu / nu under their parameter's path)."""
+    rel = path.split("/", 1)[1] if "/" in path else ""
+    for key, names in entries:
+        if key == path:
+            return key, names
+    for key, names in entries:
+        if key == rel:
+            return key, names
+    ends = [(key, names) for key, names in entries if rel.endswith("/" + key)]
+    return max(ends, key=lambda e: len(e[0])) if ends else None
+
+
+def fixed_inputs(hints: Hints, paths: Sequence[str], shapes: Sequence[Sequence[int]],
+                 mesh: MeshShape) -> Mapping[int, ShardSpec]:
+    """{flat input index: pinned spec} for the inputs at `paths` (shardplan.options.path_str)
+    with `shapes`. A pattern wins over logical names; every pattern and every logical names
+    entry must match some input (a typo is an error, not a hint silently dropped)."""
+    fixed: dict[int, ShardSpec] = {}
+    if not hints:
+        return fixed
+    hit: set[str] = set()
+    for i, (path, shape) in enumerate(zip(paths, shapes)):
+        for pattern, spec in hints.pins:
+            if matches(pattern, path):
+                hit.add(pattern)
+                if i not in fixed:
+                    spec = _translated(spec, hints.logical_axis_rules, mesh)
+                    fixed[i] = check_spec(spec, shape, mesh, path, repr(pattern))
+        entry = _logical_entry(path, hints.logical_names)
+        if entry is None:
+            continue
+        key, names = entry
+        if len(names) != len(shape):
+            if key in (path, path.split("/", 1)[-1]):
+                raise ValueError(f"logical names {names} of {key} do not fit input {path} of "
+                                 f"shape {tuple(shape)}")
+            continue  # a longer state leaf whose path merely ends like a parameter's
+        hit.add(key)
+        if i in fixed:
+            continue
+        if not hints.logical_axis_rules and not all(n is None or n in mesh.names
+                                                    for n in names):
+            continue  # names with no rules to map them: the planner chooses
+        spec = logical_to_mesh(names, hints.logical_axis_rules, mesh)
+        fixed[i] = check_spec(spec, shape, mesh, path, f"logical names {names} -> {spec}")
+    missed = [p for p, _ in hints.pins if p not in hit]
+    missed += [k for k, _ in hints.logical_names if k not in hit]
+    if missed:
+        shown = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
+        raise ValueError(f"hints match no input: {', '.join(map(repr, missed))}; the inputs' "
+                         f"paths look like {shown}")
+    return fixed
