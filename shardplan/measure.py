@@ -277,8 +277,11 @@ def plan_measured(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile
         return plan, graph, intra
 
     def replan(ilp_budget: float) -> Plan:
-        return plan_graph(graph, traced, mesh_shape, hw, options, ilp_budget=ilp_budget,
-                          device_mesh=device_mesh, device_order=device_order, start=start)[0]
+        with warnings.catch_warnings():  # the first plan has warned about the same graph
+            warnings.simplefilter("ignore")
+            return plan_graph(graph, traced, mesh_shape, hw, options, ilp_budget=ilp_budget,
+                              device_mesh=device_mesh, device_order=device_order,
+                              start=start)[0]
 
     mesh = device_mesh if device_mesh is not None else cpu_mesh(mesh_shape)
     plan, _ = select(graph, traced, plan, mesh, hw, memory_budget=options.memory_budget,
