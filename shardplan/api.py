@@ -234,6 +234,7 @@ def _adopt(plan: Plan, traced: TracedStep, mesh):
             raise ValueError("the given plan was made for other inputs (their pytree, shapes or "
                              f"dtypes differ from this call's): {again}")
         if mine.function != plan.fingerprint.function:
+            again = f"the plan was made for a different function: {again}"
             _compat.warn_at_caller("shardplan: the given plan was made for a different function "
                                    "(its jaxpr differs); it is run as it is, but plan again if "
                                    "the step's operations changed")

@@ -175,7 +175,7 @@ class Plan:
     def from_dict(cls, d: Any, path: str = "<plan>") -> Plan:
         """The plan of `to_dict`'s values, checked; PlanFileError (naming `path`) says what is
         wrong."""
-        return _PlanReader(str(path)).plan(d)
+        return _PlanReader(path).plan(d)
 
     def save(self, path) -> None:
         """Write the plan as JSON (sorted, so equal plans are equal bytes)."""
@@ -270,7 +270,7 @@ def _path_arg(path, where: str):
 class _PlanReader:
     """Reads a plan file's JSON values, raising PlanFileError at the first thing wrong."""
 
-    def __init__(self, path: str):
+    def __init__(self, path):
         self.path = path
 
     def fail(self, what: str):
