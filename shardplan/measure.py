@@ -202,6 +202,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     solver = (best.plan.solver if best.name.startswith("searched")
               else f"{best.plan.solver}; searched: {plan.solver}")
     kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),
+                               model_estimate=best.plan.estimate,
                                notes=(*plan.notes, note), solver=solver,
                                search_s=plan.search_s)
     return kept, tuple(candidates)

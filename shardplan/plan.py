@@ -110,6 +110,20 @@ class Plan:
     device_mesh: Any = None  # the jax Mesh when planned for real devices
     fingerprint: Fingerprint | None = None
     """What the plan was made for (checked when a plan is adopted); None for version 1 files."""
+    model_estimate: Estimate | None = None
+    """The cost model's own estimate when `estimate` holds the compiled program's figures
+    (measure=True, or the CLI once it compiled the plan); None when `estimate` is the model's."""
+
+    @property
+    def estimate_source(self) -> str:
+        """What `estimate` is: 'compiled by XLA' or 'cost model'."""
+        return "compiled by XLA" if self.model_estimate is not None else "cost model"
+
+    def fits(self) -> bool | None:
+        """Whether `estimate.peak_bytes` is within the memory budget (None: no budget)."""
+        if self.memory_budget is None:
+            return None
+        return self.estimate.peak_bytes <= self.memory_budget
 
     # -- shardings -------------------------------------------------------------------------
 
@@ -161,6 +175,8 @@ class Plan:
             "operand_specs": {f"{n}:{i}": [_spec_to_json(s) for s in route]
                               for (n, i), route in sorted(self.operand_specs.items())},
             "estimate": self.estimate.to_dict(),
+            "model_estimate": (self.model_estimate.to_dict() if self.model_estimate is not None
+                               else None),
             "ops": [dataclasses.asdict(o) for o in self.ops],
             "stages": [{"layers": list(s.layers), "submesh_shape": list(s.submesh_shape),
                         "devices": list(s.devices), "estimate": s.estimate.to_dict()}
@@ -207,9 +223,12 @@ class Plan:
                           color_system=None)
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.sizes))
         e = self.estimate
-        budget = f" (budget {fmt_bytes(self.memory_budget)})" if self.memory_budget else ""
+        fits = self.fits()
+        budget = ("" if fits is None else f" ({'fits' if fits else 'OVER'} the budget of "
+                                           f"{fmt_bytes(self.memory_budget)})")
         console.print(f"shardplan plan on mesh {mesh}, hardware {self.hardware}")
-        console.print(f"estimate per step: {fmt_seconds(e.total_s)} = compute "
+        console.print(f"estimate per step ({self.estimate_source}): {fmt_seconds(e.total_s)} = "
+                      f"compute "
                       f"{fmt_seconds(e.compute_s)} + communication {fmt_seconds(e.comm_s)} "
                       f"({fmt_bytes(e.comm_bytes)} sent per device); peak memory "
                       f"{fmt_bytes(e.peak_bytes)} per device{budget}, state {fmt_bytes(e.state_bytes)}")
@@ -364,6 +383,8 @@ class _PlanReader:
             self.check(fp, dict, "fingerprint")
             fp = Fingerprint(*(self.get(fp, f, str, "fingerprint")
                                for f in ("inputs", "function", "mesh")))
+        model = d.get("model_estimate")
+        model = None if model is None else self.estimate(model, "model_estimate")
         budget = self.get(d, "memory_budget", (int, float, type(None)), "plan", None)
         if isinstance(budget, bool) or (budget is not None and not budget > 0):
             self.fail(f"memory_budget should be a positive number of bytes or null, got {budget!r}")
@@ -377,7 +398,8 @@ class _PlanReader:
             solver=self.get(d, "solver", str, "plan", ""),
             num_micro_batches=self.get(d, "num_micro_batches", int, "plan", 1),
             schedule=self.get(d, "schedule", str, "plan", ""),
-            notes=tuple(self.items(d, "notes", str, "plan", ())), fingerprint=fp)
+            notes=tuple(self.items(d, "notes", str, "plan", ())), fingerprint=fp,
+            model_estimate=model)
 
     def int_key(self, k: str, where: str) -> int:
         try:
