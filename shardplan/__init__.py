@@ -5,10 +5,10 @@ from shardplan.distributed import PlanMismatchError, global_args
 from shardplan.grad import grad, stage_boundary, value_and_grad
 from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
 from shardplan.options import Hints, SearchOptions
-from shardplan.plan import Estimate, Plan, load_plan
+from shardplan.plan import Estimate, Plan, PlanFileError, load_plan
 from shardplan.strategies.coverage import Coverage
 from shardplan.timeline import draw_plan as draw_timeline
 
-__all__ = ["AutoStep", "Coverage", "Estimate", "Hints", "InfeasibleMemory", "Plan", "PlanMismatchError",
-           "SearchOptions", "SearchTimeout", "auto", "coverage", "draw_timeline", "global_args",
+__all__ = ["AutoStep", "Coverage", "Estimate", "Hints", "InfeasibleMemory", "Plan",
+           "PlanFileError", "PlanMismatchError", "SearchOptions", "SearchTimeout", "auto", "coverage", "draw_timeline", "global_args",
            "grad", "load_plan", "search", "stage_boundary", "value_and_grad"]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 import jax
 from jax.extend import core as jcore
 from jax.sharding import AxisType, Mesh
@@ -64,6 +68,22 @@ def cost_analysis(compiled) -> dict:
     return dict(ca or {})
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn pointing at the first frame outside shardplan (the user's call of auto / search /
+    the planned step), not at the line inside shardplan that found the problem. Python 3.12
+    has warnings.warn(skip_file_prefixes=...); 3.11 counts the frames."""
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=(_PACKAGE,))
+        return
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
 __all__ = [
     "ClosedJaxpr",
     "Jaxpr",
@@ -76,4 +96,5 @@ __all__ = [
     "jax",
     "open_jaxpr",
     "threefry_partitionable",
+    "warn_at_caller",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +24,7 @@ from shardplan.emit.pipeline import emit_pipeline
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions
-from shardplan.plan import Plan, load_plan
+from shardplan.plan import Plan, fingerprint, load_plan
 from shardplan.search import choose
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
@@ -38,6 +40,58 @@ def _profile(hardware, backend: str) -> HardwareProfile:
     return get_profile(hardware or DEFAULT_PROFILE.get(backend, "cpu"))
 
 
+# -- arguments --------------------------------------------------------------------------------
+
+
+def _check_fn(fn, where: str):
+    if isinstance(fn, jax.sharding.Mesh):
+        raise TypeError(f"{where} takes the function to plan first, got a Mesh: pass the mesh "
+                        f"by keyword, {where}(step, mesh=mesh) or @{where}(mesh=mesh)")
+    if not callable(fn):
+        raise TypeError(f"{where} takes a function to plan, got {type(fn).__name__} {fn!r:.60}; "
+                        f"pass options by keyword: {where}(step, mesh=mesh)")
+
+
+def _check_mesh(mesh):
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, e.g. jax.make_mesh((2, 4), "
+                        f"('data', 'model')), or None for all devices on one axis; got "
+                        f"{type(mesh).__name__} {mesh!r:.60}")
+    return mesh
+
+
+def _check_hardware(hardware):
+    """`hardware` checked now (a typo fails at the decorator, not at the first call)."""
+    if hardware is None or isinstance(hardware, HardwareProfile):
+        return hardware
+    if not isinstance(hardware, str):
+        raise TypeError(f"hardware must be a profile name such as 'tpu-v4' or 'a100-80gb', the "
+                        "path of a profile .yaml, or a shardplan.cost.hardware.HardwareProfile; "
+                        f"got {type(hardware).__name__} {hardware!r:.60}")
+    get_profile(hardware)  # raises, listing the known profiles
+    return hardware
+
+
+def _argnums(x, name: str) -> tuple[int, ...]:
+    """An int or a sequence of ints (as jax.jit takes them), as a tuple."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return (x,)
+    if (isinstance(x, Sequence) and not isinstance(x, str)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in x)):
+        return tuple(x)
+    raise TypeError(f"{name} must be an int or a tuple of ints (argument positions), got "
+                    f"{type(x).__name__} {x!r:.60}")
+
+
+def _check_plan(plan):
+    if isinstance(plan, (str, os.PathLike)):
+        return load_plan(plan)
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a shardplan.Plan or the path of a plan file saved with "
+                        f"Plan.save, got {type(plan).__name__}")
+    return plan
+
+
 def _signature(args) -> tuple:
     leaves, tree = jax.tree_util.tree_flatten(args)
     return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves)
@@ -47,6 +101,13 @@ def _options(options: SearchOptions | None, search_options: dict) -> SearchOptio
     if options is not None and search_options:
         raise TypeError(f"pass options=SearchOptions(...) or the options by keyword "
                         f"({', '.join(sorted(search_options))}), not both")
+    if options is not None and not isinstance(options, SearchOptions):
+        raise TypeError(f"options must be a shardplan.SearchOptions, got {type(options).__name__}")
+    known = {f.name for f in dataclasses.fields(SearchOptions)}
+    unknown = sorted(set(search_options) - known)
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are "
+                        f"{', '.join(sorted(known))}")
     return options if options is not None else SearchOptions.make(**search_options)
 
 
@@ -66,7 +127,8 @@ class AutoStep:
         self.plan_cache = cache
         self._given_plan = plan
         self.plan_cache = cache
-        self._cache: dict[tuple, tuple[Plan, Any]] = {}
+        # signature -> (plan, the callable that runs it, its input shardings or None)
+        self._cache: dict[tuple, tuple[Plan, Any, Any]] = {}
 
     @property
     def mesh(self):
@@ -77,17 +139,38 @@ class AutoStep:
                                        axis_types=(jax.sharding.AxisType.Auto,))
         return _compat.auto_mesh(self._mesh)
 
-    def _entry(self, args) -> tuple[Plan, Any]:
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        """The call's arguments by position (keyword arguments bound as jax.jit binds them)."""
+        if not kwargs:
+            return args
+        try:
+            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{getattr(self.fn, '__name__', 'the step')}: {e}") from None
+        if bound.kwargs:
+            raise TypeError(f"{getattr(self.fn, '__name__', 'the step')}: cannot pass "
+                            f"{', '.join(sorted(bound.kwargs))} by keyword (keyword-only, "
+                            "**kwargs, or an earlier argument left to its default): pass every "
+                            "argument up to the last by position")
+        return bound.args
+
+    def _entry(self, args) -> tuple[Plan, Any, Any]:
+        for i in self.donate_argnums:
+            if not -len(args) <= i < len(args):
+                raise ValueError(f"donate_argnums has {i}, but the step is called with "
+                                 f"{len(args)} arguments")
         key = _signature(args)
         if key not in self._cache:
             self._cache[key] = self._plan_and_emit(args)
         return self._cache[key]
 
-    def _plan_and_emit(self, args) -> tuple[Plan, Any]:
-        """Trace, plan (or adopt the given plan) and emit: (plan, the callable that runs it)."""
+    def _plan_and_emit(self, args) -> tuple[Plan, Any, Any]:
+        """Trace, plan (or adopt the given plan) and emit: (plan, the callable that runs it,
+        the input shardings of its one jit, or None for a pipeline)."""
         mesh = self.mesh
         o = self.options.replace(hints=hints_mod.with_boxes(self.options.hints, args))
         traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
+        fp = fingerprint(traced.in_tree, traced.closed_jaxpr, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
         if o.pipeline is True and distributed.is_multi_controller():
             distributed.refuse_mpmd_pipeline()
@@ -97,57 +180,119 @@ class AutoStep:
             choice = choose(self.fn, args, mesh, hw, o, traced=traced)
             if choice.pipelined:
                 pp = choice.pipeline
-                return choice.plan, emit_pipeline(pp.split, pp.ios, pp.specs, pp.stages,
-                                                  pp.device_mesh, pp.schedule)
+                plan = dataclasses.replace(choice.plan, fingerprint=fp)
+                return plan, emit_pipeline(pp.split, pp.ios, pp.specs, pp.stages,
+                                           pp.device_mesh, pp.schedule), None
             plan, graph = dataclasses.replace(choice.plan, device_mesh=mesh), choice.intra_graph
         else:
             # One plan for every process: planned once (or loaded from the cache), checked
             # before the first step.
             o1 = o.replace(pipeline=False) if o.pipeline is not False else o
-            fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o1)
+            step_fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o1)
 
             def obtain():
                 if self._given_plan is not None:
                     return self._given_plan
-                return cache_mod.cached(self.plan_cache, fp, lambda: measure.plan_measured(
+                return cache_mod.cached(self.plan_cache, step_fp, lambda: measure.plan_measured(
                     traced, MeshShape.of(mesh), hw, o1, device_mesh=mesh,
                     device_order=[d.id for d in mesh.devices.flat],
                     donate_argnums=self.donate_argnums)[0])
 
-            plan = distributed.plan_once(fp, obtain, broadcast=self._given_plan is None)
+            plan = distributed.plan_once(step_fp, obtain, broadcast=self._given_plan is None)
             plan, graph = _adopt(plan, traced, mesh)
-        jitted, _, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
-                                plan.input_specs, plan.output_specs, plan.constraints,
-                                plan.operand_specs, self.donate_argnums)
-        return plan, jitted
+        if self._given_plan is None:
+            plan = dataclasses.replace(plan, fingerprint=fp)
+        jitted, in_shardings, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
+                                           plan.input_specs, plan.output_specs, plan.constraints,
+                                           plan.operand_specs, self.donate_argnums)
+        return plan, jitted, tuple(in_shardings)
 
-    def __call__(self, *args):
-        _, jitted = self._entry(args)
-        return jitted(*args)
+    def __call__(self, *args, **kwargs):
+        args = self._positional(args, kwargs)
+        _, run, in_shardings = self._entry(args)
+        if in_shardings is not None:
+            # Place the arguments on the plan's shardings first: an array's type carries its
+            # mesh, so fresh single-device arrays and the step's own (sharded) outputs fed back
+            # would be two signatures to jit and compile the step twice.
+            args = jax.device_put(args, in_shardings)
+        return run(*args)
 
-    def lower(self, *args):
+    def lower(self, *args, **kwargs):
         """jax.stages.Lowered of the planned step; args may be arrays or ShapeDtypeStructs."""
-        plan, jitted = self._entry(args)
+        args = self._positional(args, kwargs)
+        plan, jitted, _ = self._entry(args)
         if plan.stages:
             raise ValueError("this step runs as a pipeline of several programs (one per stage), "
                              "not one: call it, or use .plan(); pass pipeline=False to get one "
                              "program to lower")
         return jitted.lower(*jax.tree_util.tree_map(abstractify, args))
 
-    def plan(self, *args) -> Plan:
-        return self._entry(args)[0]
+    def plan(self, *args, **kwargs) -> Plan:
+        """The plan for these arguments (arrays or ShapeDtypeStructs), planned if need be."""
+        return self._entry(self._positional(args, kwargs))[0]
 
 
 def _adopt(plan: Plan, traced: TracedStep, mesh):
+    """The given plan checked against the step it is to run: (the plan on `mesh`, the graph).
+    A different function only warns (the user may have edited it in a way that keeps the
+    plan valid); different inputs or another mesh raise, as do specs that cannot apply."""
     graph = lift(traced.closed_jaxpr, traced.arg_info)
+    again = "plan the step again (shardplan.auto without plan=, or shardplan.search)"
+    actual = MeshShape.of(mesh)
+    if tuple(plan.mesh.names) != tuple(actual.names) or tuple(plan.mesh.sizes) != tuple(actual.sizes):
+        raise ValueError(f"the given plan is for mesh {_mesh_text(plan.mesh)}, this mesh is "
+                         f"{_mesh_text(actual)}: use a mesh with the plan's axis names and sizes, "
+                         f"or {again}")
+    if plan.stages:
+        raise ValueError("the given plan is a pipeline plan: running a saved pipeline plan is "
+                         f"not supported; {again} with pipeline=...")
     if len(plan.input_specs) != len(graph.inputs) or len(plan.output_specs) != len(graph.outputs):
         raise ValueError("the given plan was made for a step with "
                          f"{len(plan.input_specs)} inputs and {len(plan.output_specs)} outputs, "
-                         f"this one has {len(graph.inputs)} and {len(graph.outputs)}: plan it again")
-    if tuple(plan.mesh.sizes) != tuple(int(mesh.shape[n]) for n in mesh.axis_names):
-        raise ValueError(f"the given plan is for mesh {plan.mesh}, not {MeshShape.of(mesh)}")
+                         f"this one has {len(graph.inputs)} and {len(graph.outputs)}: {again}")
+    if plan.fingerprint is not None:
+        mine = fingerprint(traced.in_tree, traced.closed_jaxpr, actual)
+        if mine.inputs != plan.fingerprint.inputs:
+            raise ValueError("the given plan was made for other inputs (their pytree, shapes or "
+                             f"dtypes differ from this call's): {again}")
+        if mine.function != plan.fingerprint.function:
+            again = f"the plan was made for a different function: {again}"
+            _compat.warn_at_caller("shardplan: the given plan was made for a different function "
+                                   "(its jaxpr differs); it is run as it is, but plan again if "
+                                   "the step's operations changed")
+    values = [(f"input {n}", s, graph.value(v)) for n, s, v in
+              zip(plan.input_names, plan.input_specs, graph.inputs)]
+    values += [(f"output {n}", s, graph.value(v)) for n, s, v in
+               zip(plan.output_names, plan.output_specs, graph.outputs)]
+    ids = {v.id for v in graph.values}
+    nodes = {n.id: n for n in graph.nodes}
+    for vid, spec in plan.constraints.items():
+        if vid not in ids:
+            raise ValueError(f"the given plan constrains value {vid}, which this step's graph "
+                             f"does not have: {again}")
+        values.append((f"constrained value {vid}", spec, graph.value(vid)))
+    for (nid, index), route in plan.operand_specs.items():
+        node = nodes.get(nid)
+        if node is None or not 0 <= index < len(node.inputs):
+            raise ValueError(f"the given plan reshards operand {index} of node {nid}, which this "
+                             f"step's graph does not have: {again}")
+        values += [(f"operand {index} of node {nid}", s, graph.value(node.inputs[index]))
+                   for s in route]
+    for what, spec, value in values:
+        if spec.ndim != value.ndim:
+            raise ValueError(f"the given plan's spec {spec.to_partition_spec()} for {what} has "
+                             f"{spec.ndim} dimensions, the value has {value.ndim} "
+                             f"(shape {value.shape}): {again}")
+        unknown = sorted(set(spec.used_axes()) - set(actual.names))
+        if unknown:
+            raise ValueError(f"the given plan's spec for {what} uses mesh axes {unknown}, not in "
+                             f"the mesh's {list(actual.names)}: {again}")
     return dataclasses.replace(plan, in_tree=traced.in_tree, out_tree=traced.out_tree,
                                device_mesh=mesh), graph
+
+
+def _mesh_text(m: MeshShape) -> str:
+    return " x ".join(f"{n}={k}" for n, k in zip(m.names, m.sizes))
 
 
 def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
@@ -185,15 +330,18 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
     broadcasts it, and every process checks that all run the same plan before the first step
     (shardplan.distributed); build the inputs with shardplan.global_args.
     """
-    if isinstance(plan, str):
-        plan = load_plan(plan)
+    if fn is not None:
+        _check_fn(fn, "shardplan.auto")
+    mesh, hardware = _check_mesh(mesh), _check_hardware(hardware)
+    donate_argnums = _argnums(donate_argnums, "donate_argnums")
+    plan = _check_plan(plan)
     options = _options(options, search_options)
     if fn is None:
-        return lambda f: AutoStep(f, mesh, options, plan, hardware, tuple(donate_argnums), cache)
-    if not callable(fn):
-        raise TypeError(f"shardplan.auto takes a function to plan, got {type(fn).__name__}; "
-                        "pass options by keyword: shardplan.auto(step, mesh=mesh)")
-    return AutoStep(fn, mesh, options, plan, hardware, tuple(donate_argnums), cache)
+        def decorate(f):
+            _check_fn(f, "shardplan.auto")
+            return AutoStep(f, mesh, options, plan, hardware, donate_argnums, cache)
+        return decorate
+    return AutoStep(fn, mesh, options, plan, hardware, donate_argnums, cache)
 
 
 def coverage(fn, *args, state_argnums: Sequence[int] | None = None,
@@ -231,26 +379,47 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
     by XLA on CPU devices standing in for the cluster, priced with the profile, and the
     cheapest that fits is kept (JAX must run as many CPU devices as the mesh has).
     """
+    _check_fn(fn, "shardplan.search")
     options = _options(options, search_options)
     if options.pipeline is not False:
-        raise ValueError("shardplan.search plans one program: pipeline stages are planned by "
-                         "shardplan.auto(..., pipeline=...) on a mesh; pass pipeline=False")
+        raise ValueError(f"pipeline={options.pipeline!r}: shardplan.search plans one program; "
+                         "pipeline stages are planned by shardplan.auto(..., pipeline=...) on a "
+                         "mesh; pass pipeline=False")
     if isinstance(cluster, HardwareProfile):
         hw, n = cluster, None
-    else:
+    elif isinstance(cluster, str):
         hw, n = parse_cluster(cluster)
+    else:
+        raise TypeError(f"cluster must be a profile name, optionally with a device count "
+                        f"('tpu-v4-32'), or a HardwareProfile; got {type(cluster).__name__} "
+                        f"{cluster!r:.60}")
+    if num_devices is not None and not (isinstance(num_devices, int) and num_devices >= 1):
+        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
     if mesh_shape is None:
         count = num_devices or n
         if count is None:
             raise ValueError(f"cluster {cluster!r} names no device count: pass mesh_shape=(...) "
                              "or num_devices=N, or a cluster like 'tpu-v4-32'")
         mesh_shape = (count,)
+    if (not isinstance(mesh_shape, Sequence) or isinstance(mesh_shape, str) or not mesh_shape
+            or not all(isinstance(k, (int, np.integer)) and k >= 1 for k in mesh_shape)):
+        raise ValueError(f"mesh_shape must be a tuple of positive ints such as (2, 4), got "
+                         f"{mesh_shape!r:.60}")
     mesh_shape = tuple(int(s) for s in mesh_shape)
+    if axis_names is not None and (isinstance(axis_names, str) or not all(
+            isinstance(a, str) for a in axis_names) or len(set(axis_names)) != len(axis_names)):
+        raise ValueError(f"axis_names must be a tuple of distinct strings such as ('data', "
+                         f"'model'), got {axis_names!r:.60}")
     names = tuple(axis_names) if axis_names else (("devices",) if len(mesh_shape) == 1 else
                                                   tuple(f"axis{i}" for i in range(len(mesh_shape))))
     if len(names) != len(mesh_shape):
         raise ValueError(f"axis_names {names} and mesh_shape {mesh_shape} differ in length")
+    if num_devices is not None and num_devices != int(np.prod(mesh_shape)):
+        raise ValueError(f"num_devices={num_devices} but mesh_shape {mesh_shape} has "
+                         f"{int(np.prod(mesh_shape))} devices")
     options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args))
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
-    plan, _, _ = measure.plan_measured(traced, MeshShape(names, mesh_shape), hw, options)
-    return plan
+    shape = MeshShape(names, mesh_shape)
+    plan, _, _ = measure.plan_measured(traced, shape, hw, options)
+    return dataclasses.replace(plan, fingerprint=fingerprint(traced.in_tree,
+                                                             traced.closed_jaxpr, shape))

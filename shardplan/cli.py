@@ -10,7 +10,7 @@ compiled by XLA on CPU devices standing in for the cluster (as many as the mesh 
 with the config's hardware profile (shardplan/analysis/price.py). What is printed and written
 is shardplan.cli_render.
 
-Exit codes: 0 planned; 2 bad config or arguments; 3 no plan fits the memory budget.
+Exit codes: see EXIT_CODES (also in `shardplan --help`, the README and docs/cli.md).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
-import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,10 +36,26 @@ from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError, load_conf
 from shardplan.ir.trace import abstractify
 from shardplan.measure import compile_and_price as price_program
 from shardplan.measure import cpu_mesh
-from shardplan.plan import load_plan
+from shardplan.plan import PlanFileError, load_plan
 from shardplan.units import fmt_bytes
 
-EXIT_OK, EXIT_USAGE, EXIT_INFEASIBLE = 0, 2, 3
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_TIMEOUT, EXIT_BENCH_FAILED = (
+    0, 1, 2, 3, 4, 5)
+EXIT_CODES = """\
+exit codes:
+  0  planned (bench: every config planned)
+  1  internal error in shardplan (run again with --debug for the traceback, and report it)
+  2  bad input: arguments, config, plan file, or the model.entry module raising or
+     returning the wrong thing
+  3  no plan fits the memory budget (the message says the least memory any plan needs)
+  4  the search's time limit ran out before any plan was found (raise search.time_limit)
+  5  bench: some configs failed (each is named, with why, in bench.md and on stderr)"""
+
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class TimedOut(Exception):
+    """The time limit ran out on every mesh before a plan was found."""
 
 
 class Infeasible(Exception):
@@ -78,7 +94,12 @@ def build_workload(config: Config) -> Workload:
         except (ValueError, TypeError) as e:
             raise ConfigError("model", f"cannot build {m.label}: {e}", config.source) from None
     else:
-        step = load_entry(m.entry, config.source)(**m.kwargs)
+        make = load_entry(m.entry, config.source)
+        try:
+            step = make(**m.kwargs)
+        except Exception as e:  # noqa: BLE001 - the user's code: say where it failed
+            raise ConfigError("model.entry", f"{m.entry}(**model.kwargs) raised "
+                              f"{user_error(e)}", config.source) from None
     if isinstance(step, models.TrainStep):
         args = jax.tree.map(abstractify, step.args)
         dtype = m.dtype or str(getattr(step.config, "dtype", None) or "float32")
@@ -119,10 +140,30 @@ def load_entry(entry: str, source: str | None = None):
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
+        if isinstance(e, ImportError) and e.name != module.split(".")[0] and e.name != module:
+            raise ConfigError("model.entry", f"importing {module!r} raised {user_error(e)}",
+                              source) from None
         raise ConfigError("model.entry", f"cannot load {entry!r}: {e}; it must name a function "
                           "importable from the current directory, the config's directory or "
                           "PYTHONPATH", source) from None
+    except Exception as e:  # noqa: BLE001 - the user's module raised while importing
+        raise ConfigError("model.entry", f"importing {module!r} raised {user_error(e)}",
+                          source) from None
+    if not callable(obj):
+        raise ConfigError("model.entry", f"{entry!r} is a {type(obj).__name__}, not a function",
+                          source)
     return obj
+
+
+def user_error(e: BaseException) -> str:
+    """An exception raised in the user's code: its type, message and the user's own frames
+    (those of shardplan, importlib and the standard library left out)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(_HERE) and "importlib" not in f.filename
+              and not f.filename.startswith("<frozen")]
+    where = "".join(traceback.format_list(frames)).rstrip()
+    head = "".join(traceback.format_exception_only(type(e), e)).strip()
+    return f"{head}\n{where}" if where else head
 
 
 # -- devices --------------------------------------------------------------------------------
@@ -144,8 +185,15 @@ def search_options(config: Config, work: Workload, notes: list[str]):
     offered by the CLI yet), measuring only where the CPU devices to compile on exist."""
     options = config.search_options()
     if options.pipeline is True or config.search.num_micro_batches > 1:
-        notes.append("search.pipeline / num_micro_batches are not used yet: shardplan.search "
-                     "plans intra-operator parallelism only in this version")
+        raise ConfigError("search.pipeline", "the shardplan command plans one program "
+                          "(intra-operator parallelism) on each mesh; pipeline stages and "
+                          "micro-batches are planned by shardplan.auto(step, mesh=..., "
+                          "pipeline=True or 'auto') on devices. Set search.pipeline to auto or "
+                          "false and search.num_micro_batches to 1", config.source)
+    if "pipeline" in config.search.model_fields_set and options.pipeline == "auto":
+        notes.append("search.pipeline: auto planned one program (intra-operator parallelism): "
+                     "the shardplan command does not plan pipeline stages; "
+                     "shardplan.auto(step, pipeline='auto') does, on devices")
     n = config.cluster.mesh.num_devices
     measure = options.measure and n <= MAX_COMPILE_DEVICES and len(jax.devices("cpu")) >= n
     return options.replace(pipeline=False, num_micro_batches=None, measure=measure,
@@ -168,9 +216,19 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
                 infeasible.append(e)
                 tried[label] = f"no plan fits (needs {fmt_bytes(e.min_bytes)})"
                 continue
+            except RuntimeError as e:
+                # shardplan.intra.ilp.SearchTimeout (the time limit ran out with no plan)
+                if type(e).__name__ != "SearchTimeout":
+                    raise
+                tried[label] = f"time limit ran out: {str(e).splitlines()[0]}"
+                continue
         tried[label] = plan.estimate.total_s
         if best is None or plan.estimate.total_s < best.estimate.total_s:
             best = plan
+    if best is None and not infeasible:
+        raise TimedOut(f"the time limit of {options.time_limit:g} s ran out before a plan was "
+                       f"found on any mesh ({'; '.join(f'{m}: {t}' for m, t in tried.items())}); "
+                       "raise search.time_limit")
     if best is None:
         least = min(e.min_bytes for e in infeasible)
         raise Infeasible(
@@ -265,12 +323,14 @@ def run_search(config: Config, *, verify: bool = False, phases: Phases):
             config, work, plan, phases, notes, want_baselines=config.output.compare)
     verification = None
     if verify and stats is not None:
-        e = plan.estimate
+        e = plan.model_estimate or plan.estimate
         if config.profile().forms_reduce_scatter:
             stats = stats.formed()  # as a GPU/TPU compiler runs it, like the pricing
         verification = report.Verification(
             e.comm_bytes, stats.bytes_sent, e.peak_bytes, stats.peak_bytes, e.compute_s,
             priced.compute_s, stats.by_kind())
+    if priced is not None and not plan.stages:
+        plan = report.compiled_plan(plan, priced)  # one memory figure per program
     hw = config.profile()
     return report.Run(
         label=work.label, description=config.description, hardware=hw.name,
@@ -321,9 +381,10 @@ def cmd_bench(args) -> int:
         mesh = " x ".join(map(str, config.cluster.mesh.shape or (config.cluster.mesh.devices,)))
         try:
             run = run_search(config, phases=phases)
-        except Infeasible as e:
+        except (Infeasible, TimedOut) as e:
+            why = "no plan fits" if isinstance(e, Infeasible) else "time limit"
             rows.append(bench.BenchRow(name, None, config.model.label, mesh,
-                                        config.cluster.hardware, f"no plan fits: {e}",
+                                        config.cluster.hardware, f"{why}: {e}",
                                         time.perf_counter() - start))
             continue
         except ConfigError:
@@ -339,6 +400,11 @@ def cmd_bench(args) -> int:
     md, csv_path = bench.write_bench(rows, out_dir)
     print_bench(rows, out)
     out.print(f"wrote {md}, {csv_path}")
+    failed = [r for r in rows if r.run is None]
+    if failed:
+        print(f"shardplan: {len(failed)} of {len(rows)} bench configs failed: "
+              + "; ".join(f"{r.config} ({r.error})" for r in failed), file=sys.stderr)
+        return EXIT_BENCH_FAILED
     return EXIT_OK
 
 
@@ -347,9 +413,8 @@ def cmd_show(args) -> int:
         raise ConfigError(None, f"plan file {args.plan!r} does not exist")
     try:
         plan = load_plan(args.plan)
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ConfigError(None, f"{args.plan} is not a plan saved by shardplan: "
-                          f"{type(e).__name__}: {e}") from None
+    except PlanFileError as e:
+        raise ConfigError(None, f"not a plan file shardplan can read: {e}") from None
     out, _ = consoles()
     out.print(plan.summary(), markup=False, highlight=False)
     return EXIT_OK
@@ -357,7 +422,10 @@ def cmd_show(args) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardplan", description="Auto-parallelization planner "
-                                "for JAX train steps.")
+                                "for JAX train steps.", epilog=EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true",
+                   help="show Python tracebacks (of errors in the config or entry as well)")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("search", help="plan a config and compare it with the baselines")
     s.add_argument("config", help="a YAML config (see configs/)")
@@ -390,15 +458,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"shardplan: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except Infeasible as e:
-        print(f"shardplan: {e}", file=sys.stderr)
-        return EXIT_INFEASIBLE
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - no traceback reaches the terminal without --debug
+        if args.debug:
+            traceback.print_exc()
+        code, text = _exit_code(e)
+        print(text, file=sys.stderr)
+        return code
+
+
+def _exit_code(e: Exception) -> tuple[int, str]:
+    """(exit code, message) of an exception that ended a command."""
+    if isinstance(e, (ConfigError, PlanFileError)):
+        return EXIT_USAGE, f"shardplan: error: {e}"
+    if isinstance(e, Infeasible):
+        return EXIT_INFEASIBLE, f"shardplan: {e}"
+    if isinstance(e, TimedOut):
+        return EXIT_TIMEOUT, f"shardplan: {e}"
+    first = (str(e).splitlines() or [""])[0]
+    return EXIT_INTERNAL, (f"shardplan: internal error: {type(e).__name__}: {first}\n"
+                           "run again with --debug for the traceback")
 
 
 if __name__ == "__main__":

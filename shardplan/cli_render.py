@@ -56,7 +56,7 @@ def consoles(quiet: bool = False) -> tuple[Console, Console]:
 
 def print_run(run, console) -> None:
     """The plan's summary, its estimate against the budget, and the comparison table."""
-    plan, e = run.plan, run.plan.estimate
+    plan = run.plan
     console.print(f"[bold]{escape(run.label)}[/bold] on [bold]{run.hardware}[/bold], mesh "
                   f"[bold]{run.mesh}[/bold] ({plan.mesh.num_devices} devices), "
                   f"{run.num_params / 1e6:,.1f} M parameters, {run.dtype}")
@@ -65,9 +65,10 @@ def print_run(run, console) -> None:
                           for m, t in run.meshes.items())
         console.print(f"meshes tried (estimated step): {tried}")
     console.print(plan.summary(), markup=False, highlight=False)
-    fits = "fits" if run.fits(e.peak_bytes) else "DOES NOT FIT"
-    console.print(f"estimate: {fmt_seconds(e.total_s)} per step, peak {fmt_bytes(e.peak_bytes)} "
-                  f"per device against a budget of {fmt_bytes(run.budget)}: {fits}")
+    peak, source = run.plan_peak()
+    fits = "fits" if run.fits(peak) else "DOES NOT FIT"
+    console.print(f"plan: {fmt_seconds(run.plan_total())} per step, peak {fmt_bytes(peak)} "
+                  f"per device ({source}) against a budget of {fmt_bytes(run.budget)}: {fits}")
     if run.priced_plan is not None or run.baselines:
         t = Table(title=f"plan vs baselines: XLA-compiled on CPU devices, priced as {run.hardware}")
         for c in report.COMPARISON_HEADER:
@@ -104,7 +105,9 @@ def write_outputs(config: Config, run, out_dir: str) -> list[str]:
             json.dump({
                 "config": config.model_dump(mode="json"), "hardware": run.hardware,
                 "budget": run.budget, "mesh": run.mesh, "search_s": run.search_s,
-                "estimate": run.plan.estimate.to_dict(),
+                "estimate": (run.plan.model_estimate or run.plan.estimate).to_dict(),
+                "memory": {"peak_bytes": run.plan_peak()[0], "source": run.plan_peak()[1],
+                           "fits": run.fits(run.plan_peak()[0])},
                 "plan": run.priced_plan.to_dict() if run.priced_plan else None,
                 "baselines": {k: v if isinstance(v, str) else v.to_dict()
                               for k, v in run.baselines.items()},

@@ -207,6 +207,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     solver = (best.plan.solver if best.name.startswith("searched")
               else f"{best.plan.solver}; searched: {plan.solver}")
     kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),
+                               model_estimate=best.plan.estimate,
                                notes=(*plan.notes, note), solver=solver,
                                search_s=plan.search_s)
     return kept, tuple(candidates)
@@ -292,10 +293,12 @@ def plan_measured(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile
         return plan, graph, intra
 
     def replan(ilp_budget: float) -> Plan:
-        return plan_graph(graph, traced, mesh_shape, hw, options, ilp_budget=ilp_budget,
-                          device_mesh=device_mesh, device_order=device_order, start=start,
-                          deadline=deadline,
-                          donated=donated_inputs(traced, donate_argnums))[0]
+        with warnings.catch_warnings():  # the first plan has warned about the same graph
+            warnings.simplefilter("ignore")
+            return plan_graph(graph, traced, mesh_shape, hw, options, ilp_budget=ilp_budget,
+                              device_mesh=device_mesh, device_order=device_order, start=start,
+                              deadline=deadline,
+                              donated=donated_inputs(traced, donate_argnums))[0]
 
     mesh = device_mesh if device_mesh is not None else cpu_mesh(mesh_shape)
     plan, _ = select(graph, traced, plan, mesh, hw, memory_budget=options.memory_budget,

@@ -5,8 +5,10 @@ plan is found is shardplan.search, how it runs is shardplan.emit."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -22,9 +24,52 @@ from shardplan.inter.stages import Stage, device_span
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import fmt_bytes, fmt_seconds
 
-__all__ = ["FORMAT_VERSION", "Estimate", "OpRow", "Plan", "Stage", "load_plan"]
+__all__ = ["FORMAT_VERSION", "Estimate", "Fingerprint", "OpRow", "Plan", "PlanFileError",
+           "Stage", "fingerprint", "load_plan"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 added the step's fingerprint and dropped the search time (two processes planning
+the same step write the same bytes). Version 1 files load, without a fingerprint to check."""
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be read: `path` and what is wrong with it."""
+
+    def __init__(self, path, what: str):
+        super().__init__(f"{path}: {what}")
+        self.path, self.what = path, what
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """What a plan was made for, as hashes: the inputs (pytree, shapes, dtypes), the function
+    (its jaxpr without source information) and the mesh (axis names and sizes)."""
+
+    inputs: str
+    function: str
+    mesh: str
+
+    @property
+    def key(self) -> str:
+        """One hash of all three (a plan cache's key)."""
+        return _sha(f"{self.inputs}/{self.function}/{self.mesh}")
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
+
+
+def fingerprint(in_tree, closed_jaxpr, mesh: MeshShape) -> Fingerprint:
+    """The Fingerprint of a traced step (`in_tree` the treedef of its positional arguments,
+    `closed_jaxpr` its jaxpr) on `mesh`; the same in every process (no object addresses)."""
+    avals = [(tuple(a.shape), str(a.dtype)) for a in closed_jaxpr.in_avals]
+    inputs = _ADDRESS.sub("", f"{in_tree}|{avals}")
+    text = closed_jaxpr.jaxpr.pretty_print(source_info=False, name_stack=False)
+    return Fingerprint(_sha(inputs), _sha(_ADDRESS.sub("", text)),
+                       _sha(f"{list(mesh.names)}|{list(mesh.sizes)}"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +108,22 @@ class Plan:
     in_tree: Any = None
     out_tree: Any = None
     device_mesh: Any = None  # the jax Mesh when planned for real devices
+    fingerprint: Fingerprint | None = None
+    """What the plan was made for (checked when a plan is adopted); None for version 1 files."""
+    model_estimate: Estimate | None = None
+    """The cost model's own estimate when `estimate` holds the compiled program's figures
+    (measure=True, or the CLI once it compiled the plan); None when `estimate` is the model's."""
+
+    @property
+    def estimate_source(self) -> str:
+        """What `estimate` is: 'compiled by XLA' or 'cost model'."""
+        return "compiled by XLA" if self.model_estimate is not None else "cost model"
+
+    def fits(self) -> bool | None:
+        """Whether `estimate.peak_bytes` is within the memory budget (None: no budget)."""
+        if self.memory_budget is None:
+            return None
+        return self.estimate.peak_bytes <= self.memory_budget
 
     # -- shardings -------------------------------------------------------------------------
 
@@ -97,8 +158,12 @@ class Plan:
     # -- JSON ------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
+        """The plan as JSON values (schema FORMAT_VERSION). The search time is left out: two
+        processes planning the same step write the same file."""
+        fp = self.fingerprint
         return {
-            "format": FORMAT_VERSION,
+            "version": FORMAT_VERSION,
+            "fingerprint": dataclasses.asdict(fp) if fp is not None else None,
             "mesh": {"names": list(self.mesh.names), "sizes": list(self.mesh.sizes)},
             "hardware": self.hardware,
             "memory_budget": self.memory_budget,
@@ -110,11 +175,12 @@ class Plan:
             "operand_specs": {f"{n}:{i}": [_spec_to_json(s) for s in route]
                               for (n, i), route in sorted(self.operand_specs.items())},
             "estimate": self.estimate.to_dict(),
+            "model_estimate": (self.model_estimate.to_dict() if self.model_estimate is not None
+                               else None),
             "ops": [dataclasses.asdict(o) for o in self.ops],
             "stages": [{"layers": list(s.layers), "submesh_shape": list(s.submesh_shape),
                         "devices": list(s.devices), "estimate": s.estimate.to_dict()}
                        for s in self.stages],
-            "search_s": self.search_s,
             "solver": self.solver,
             "num_micro_batches": self.num_micro_batches,
             "schedule": self.schedule,
@@ -122,54 +188,47 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> Plan:
-        if d.get("format") != FORMAT_VERSION:
-            raise ValueError(f"plan format {d.get('format')!r} is not {FORMAT_VERSION}; "
-                             "plan the step again with this version of shardplan")
-        mesh = MeshShape(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"]))
-        return cls(
-            mesh=mesh, hardware=d["hardware"],
-            input_names=tuple(x["name"] for x in d["inputs"]),
-            input_specs=tuple(_spec_from_json(x["spec"]) for x in d["inputs"]),
-            output_names=tuple(x["name"] for x in d["outputs"]),
-            output_specs=tuple(_spec_from_json(x["spec"]) for x in d["outputs"]),
-            constraints={int(k): _spec_from_json(v) for k, v in d["constraints"].items()},
-            operand_specs={tuple(int(x) for x in k.split(":")): tuple(_spec_from_json(s) for s in v)
-                           for k, v in d.get("operand_specs", {}).items()},
-            estimate=Estimate.from_dict(d["estimate"]),
-            memory_budget=d.get("memory_budget"),
-            ops=tuple(OpRow(**o) for o in d.get("ops", ())),
-            stages=tuple(Stage(tuple(s["layers"]), tuple(s["submesh_shape"]), tuple(s["devices"]),
-                               Estimate.from_dict(s["estimate"])) for s in d.get("stages", ())),
-            search_s=d.get("search_s", 0.0), solver=d.get("solver", ""),
-            num_micro_batches=d.get("num_micro_batches", 1), schedule=d.get("schedule", ""),
-            notes=tuple(d.get("notes", ())),
-        )
+    def from_dict(cls, d: Any, path: str = "<plan>") -> Plan:
+        """The plan of `to_dict`'s values, checked; PlanFileError (naming `path`) says what is
+        wrong."""
+        return _PlanReader(path).plan(d)
 
     def save(self, path) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
+        """Write the plan as JSON (sorted, so equal plans are equal bytes)."""
+        with open(_path_arg(path, "Plan.save"), "w") as f:
+            json.dump(self.to_dict(), f, indent=1, sort_keys=True)
+            f.write("\n")
 
     # -- summary ---------------------------------------------------------------------------
 
     def param_table(self) -> list[tuple[str, str, int]]:
-        """Inputs grouped by name pattern (layer numbers folded into '*'): (pattern, spec,
-        count)."""
+        """Inputs as (name or pattern, PartitionSpec, count): numbered layer scopes
+        ('layer_3', 'Dense_3', 'blocks_3') are folded into '*' where every input of the pattern
+        has the same spec; other names (fc1, fc2) are kept apart."""
+        specs = [str(s.to_partition_spec()) for s in self.input_specs]
+        patterns = [_LAYER_SCOPE.sub(r"\1_*", n) for n in self.input_names]
+        by_pattern: dict[str, set[str]] = {}
+        for pattern, spec in zip(patterns, specs):
+            by_pattern.setdefault(pattern, set()).add(spec)
         groups: dict[tuple[str, str], int] = {}
-        for name, spec in zip(self.input_names, self.input_specs):
-            pattern = re.sub(r"\d+", "*", name)
-            key = (pattern, str(spec.to_partition_spec()))
+        for name, pattern, spec in zip(self.input_names, patterns, specs):
+            key = (pattern if len(by_pattern[pattern]) == 1 else name, spec)
             groups[key] = groups.get(key, 0) + 1
         return [(p, s, n) for (p, s), n in groups.items()]
 
     def summary(self, max_rows: int = 25) -> str:
         buf = io.StringIO()
-        console = Console(file=buf, width=120, force_terminal=False, color_system=None)
+        # force_jupyter=False: in a notebook rich would print to the cell and ignore `file`
+        console = Console(file=buf, width=120, force_terminal=False, force_jupyter=False,
+                          color_system=None)
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.sizes))
         e = self.estimate
-        budget = f" (budget {fmt_bytes(self.memory_budget)})" if self.memory_budget else ""
+        fits = self.fits()
+        budget = ("" if fits is None else f" ({'fits' if fits else 'OVER'} the budget of "
+                                           f"{fmt_bytes(self.memory_budget)})")
         console.print(f"shardplan plan on mesh {mesh}, hardware {self.hardware}")
-        console.print(f"estimate per step: {fmt_seconds(e.total_s)} = compute "
+        console.print(f"estimate per step ({self.estimate_source}): {fmt_seconds(e.total_s)} = "
+                      f"compute "
                       f"{fmt_seconds(e.compute_s)} + communication {fmt_seconds(e.comm_s)} "
                       f"({fmt_bytes(e.comm_bytes)} sent per device); peak memory "
                       f"{fmt_bytes(e.peak_bytes)} per device{budget}, state {fmt_bytes(e.state_bytes)}")
@@ -201,7 +260,10 @@ class Plan:
             console.print(t)
         for note in self.notes:
             console.print(note)
-        console.print(f"search took {self.search_s:.2f} s ({self.solver})")
+        if self.search_s:
+            console.print(f"search took {self.search_s:.2f} s ({self.solver})")
+        elif self.solver:
+            console.print(f"solver: {self.solver}")
         return buf.getvalue()
 
     def __repr__(self) -> str:
@@ -209,15 +271,154 @@ class Plan:
                 f"estimate={fmt_seconds(self.estimate.total_s)}, stages={len(self.stages)})")
 
 
+# A numbered layer scope: 'layer_3', 'Dense_3', 'blocks_12' (not the digit of 'fc1').
+_LAYER_SCOPE = re.compile(r"(?<![A-Za-z0-9])([A-Za-z][A-Za-z]*)_\d+(?![0-9])")
+
+
 def _spec_to_json(s: ShardSpec) -> dict:
     return {"dims": [list(d) for d in s.dims], "partial": list(s.partial)}
 
 
-def _spec_from_json(d: Mapping) -> ShardSpec:
-    return ShardSpec(tuple(tuple(x) for x in d["dims"]), tuple(d.get("partial", ())))
+def _path_arg(path, where: str):
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{where}: path must be a str or os.PathLike, got "
+                        f"{type(path).__name__} {path!r}")
+    return path
+
+
+class _PlanReader:
+    """Reads a plan file's JSON values, raising PlanFileError at the first thing wrong."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def fail(self, what: str):
+        raise PlanFileError(self.path, what)
+
+    def get(self, d: Mapping, key: str, kind, where: str, default=...):
+        if key not in d:
+            if default is not ...:
+                return default
+            self.fail(f"{where} has no {key!r} (the file is incomplete or not a shardplan plan)")
+        return self.check(d[key], kind, f"{where}.{key}")
+
+    def check(self, x, kind, where: str):
+        names = {dict: "an object", list: "a list", str: "a string", int: "an integer",
+                 float: "a number", bool: "true or false"}
+        ok = (isinstance(x, bool) if kind is bool else
+              isinstance(x, int) and not isinstance(x, bool) if kind is int else
+              isinstance(x, (int, float)) and not isinstance(x, bool) if kind is float else isinstance(x, kind))
+        if not ok:
+            self.fail(f"{where} should be {names.get(kind, 'a number or null')}, got {json.dumps(x)[:60]}")
+        return x
+
+    def items(self, d: Mapping, key: str, kind, where: str, default=...) -> list:
+        xs = self.get(d, key, list, where, default)
+        return [self.check(x, kind, f"{where}.{key}[{i}]") for i, x in enumerate(xs)]
+
+    def spec(self, d, where: str) -> ShardSpec:
+        self.check(d, dict, where)
+        dims = self.get(d, "dims", list, where)
+        for i, axes in enumerate(dims):
+            self.items({"dims": axes}, "dims", str, f"{where}.dims[{i}]")
+        partial = self.items(d, "partial", str, where, ())
+        return ShardSpec(tuple(tuple(x) for x in dims), tuple(partial))
+
+    def estimate(self, d, where: str) -> Estimate:
+        self.check(d, dict, where)
+        fields = {f.name: self.get(d, f.name, float, where) for f in dataclasses.fields(Estimate)
+                  if f.name in d or f.default is dataclasses.MISSING}
+        return Estimate(**fields)
+
+    def plan(self, d) -> Plan:
+        if not isinstance(d, dict):
+            self.fail(f"the file holds {type(d).__name__ if d is not None else 'null'}, not a "
+                      "plan object (write plans with Plan.save)")
+        version = d.get("version", d.get("format"))
+        if version not in (1, FORMAT_VERSION):
+            self.fail(f"plan file version {version!r} is not one this shardplan reads (1 or "
+                      f"{FORMAT_VERSION}); plan the step again with this version of shardplan")
+        m = self.get(d, "mesh", dict, "plan")
+        names = tuple(self.items(m, "names", str, "mesh"))
+        sizes = tuple(self.items(m, "sizes", int, "mesh"))
+        if len(names) != len(sizes) or any(k < 1 for k in sizes):
+            self.fail(f"mesh names {list(names)} and sizes {list(sizes)} do not match")
+        mesh = MeshShape(names, sizes)
+
+        def named(key):
+            rows = self.items(d, key, dict, "plan")
+            return ([self.get(r, "name", str, f"{key}[{i}]") for i, r in enumerate(rows)],
+                    [self.spec(self.get(r, "spec", dict, f"{key}[{i}]"), f"{key}[{i}].spec")
+                     for i, r in enumerate(rows)])
+
+        in_names, in_specs = named("inputs")
+        out_names, out_specs = named("outputs")
+        constraints = {self.int_key(k, "constraints"): self.spec(v, f"constraints[{k}]")
+                       for k, v in self.get(d, "constraints", dict, "plan").items()}
+        operand_specs = {}
+        for k, route in self.get(d, "operand_specs", dict, "plan", {}).items():
+            node, _, index = k.partition(":")
+            key = (self.int_key(node, "operand_specs"), self.int_key(index, "operand_specs"))
+            self.check(route, list, f"operand_specs[{k}]")
+            operand_specs[key] = tuple(self.spec(s, f"operand_specs[{k}]") for s in route)
+        # a pipeline's specs are on its stages' submeshes, whose axes are their own
+        checked = [] if d.get("stages") else [
+            *zip(in_specs, in_names), *zip(out_specs, out_names),
+            *((s, f"constraint {k}") for k, s in constraints.items())]
+        for spec, where in checked:
+            unknown = sorted(set(spec.used_axes()) - set(names))
+            if unknown:
+                self.fail(f"the spec of {where} uses mesh axes {unknown}, not in the plan's "
+                          f"mesh {list(names)}")
+        ops = []
+        for i, o in enumerate(self.items(d, "ops", dict, "plan", ())):
+            w = f"ops[{i}]"
+            ops.append(OpRow(*(self.get(o, f, str, w) for f in ("primitive", "name", "strategy")),
+                             *(self.get(o, f, float, w) for f in ("compute_s", "comm_s"))))
+        stages = []
+        for i, st in enumerate(self.items(d, "stages", dict, "plan", ())):
+            w = f"stages[{i}]"
+            stages.append(Stage(*(tuple(self.items(st, f, int, w))
+                                  for f in ("layers", "submesh_shape", "devices")),
+                                self.estimate(self.get(st, "estimate", dict, w), f"{w}.estimate")))
+        fp = d.get("fingerprint")
+        if fp is not None:
+            self.check(fp, dict, "fingerprint")
+            fp = Fingerprint(*(self.get(fp, f, str, "fingerprint")
+                               for f in ("inputs", "function", "mesh")))
+        model = d.get("model_estimate")
+        model = None if model is None else self.estimate(model, "model_estimate")
+        budget = self.get(d, "memory_budget", (int, float, type(None)), "plan", None)
+        if isinstance(budget, bool) or (budget is not None and not budget > 0):
+            self.fail(f"memory_budget should be a positive number of bytes or null, got {budget!r}")
+        return Plan(
+            mesh=mesh, hardware=self.get(d, "hardware", str, "plan"),
+            input_names=tuple(in_names), input_specs=tuple(in_specs),
+            output_names=tuple(out_names), output_specs=tuple(out_specs),
+            constraints=constraints, operand_specs=operand_specs,
+            estimate=self.estimate(self.get(d, "estimate", dict, "plan"), "estimate"),
+            memory_budget=budget, ops=tuple(ops), stages=tuple(stages),
+            solver=self.get(d, "solver", str, "plan", ""),
+            num_micro_batches=self.get(d, "num_micro_batches", int, "plan", 1),
+            schedule=self.get(d, "schedule", str, "plan", ""),
+            notes=tuple(self.items(d, "notes", str, "plan", ())), fingerprint=fp,
+            model_estimate=model)
+
+    def int_key(self, k: str, where: str) -> int:
+        try:
+            return int(k)
+        except ValueError:
+            self.fail(f"{where} has key {k!r}; its keys are value ids (integers)")
 
 
 def load_plan(path) -> Plan:
-    """A plan saved with Plan.save."""
-    with open(path) as f:
-        return Plan.from_dict(json.load(f))
+    """A plan saved with Plan.save, checked: PlanFileError says what is wrong with the file."""
+    _path_arg(path, "load_plan")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise PlanFileError(path, "no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanFileError(path, f"not valid JSON ({e}); the file may be truncated") from None
+    return Plan.from_dict(d, path)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from shardplan import timeline
 from shardplan.analysis.price import PricedStep
 from shardplan.options import DEFAULTS
-from shardplan.plan import Plan
+from shardplan.plan import Estimate, Plan
 from shardplan.units import fmt_bytes, fmt_seconds
 
 BASELINE_ORDER = ("data_parallel", "fsdp", "megatron", "two_d")
@@ -72,7 +72,7 @@ class Run:
     def rows(self) -> list[tuple[str, float, float, float, float, float | None]]:
         """(name, compute_s, comm_s, total_s, peak_bytes, bytes sent) per program compared: the
         plan's estimate, the compiled plan, the compiled baselines."""
-        e = self.plan.estimate
+        e = self.plan.model_estimate or self.plan.estimate
         out = [("plan (cost model)", e.compute_s, e.comm_s, e.total_s, e.peak_bytes, e.comm_bytes)]
         if self.priced_plan is not None:
             out.append(("plan (XLA)",) + _figures(self.priced_plan))
@@ -87,6 +87,13 @@ class Run:
         priced = [(n, p) for n, p in self.baselines.items() if isinstance(p, PricedStep)]
         fitting = [(n, p) for n, p in priced if self.fits(p.peak_bytes)] or priced
         return min(fitting, key=lambda x: x[1].total_s) if fitting else None
+
+    def plan_peak(self) -> tuple[float, str]:
+        """The plan's one memory figure and what it is: the compiled program's peak once
+        compiled, else the plan's estimate (itself compiled with measure=True)."""
+        if self.priced_plan is not None:
+            return self.priced_plan.peak_bytes, "compiled by XLA"
+        return self.plan.estimate.peak_bytes, self.plan.estimate_source
 
     def plan_total(self) -> float:
         """Priced step time of the compiled plan, else the cost model's estimate."""
@@ -113,6 +120,16 @@ class Run:
         if best is None or self.priced_plan is None or best[1].total_s <= 0:
             return None
         return self.priced_plan.total_s / best[1].total_s
+
+
+def compiled_plan(plan: Plan, priced: PricedStep) -> Plan:
+    """The plan with its compiled program's figures as its estimate (as measure=True keeps
+    them) and the cost model's own kept as `model_estimate`: one figure per program."""
+    e = plan.estimate
+    return dataclasses.replace(
+        plan, model_estimate=plan.model_estimate or e,
+        estimate=Estimate(priced.compute_s, priced.comm_s, priced.peak_bytes, e.state_bytes,
+                          priced.bytes_sent, e.bubble_fraction))
 
 
 def _figures(p: PricedStep):
@@ -199,9 +216,16 @@ def plot_layer_costs(plan: Plan, path: str) -> str | None:
     return path
 
 
+def memory_rows(run: Run) -> list[tuple]:
+    """The rows of the memory plot: every program once (the plan compiled, once compiled)."""
+    return [r for r in run.rows()
+            if not (r[0] == "plan (cost model)" and run.priced_plan is not None)]
+
+
 def plot_memory(run: Run, path: str) -> str:
-    """Peak memory per device of every program compared, against the budget."""
-    rows = run.rows()
+    """Peak memory per device of every program compared, against the budget: the plan's one
+    figure (compiled once compiled, labelled so), not also its estimate."""
+    rows = memory_rows(run)
     fig, ax = _figure((7, 0.5 * len(rows) + 1.5))
     top = max([r[4] for r in rows] + [1.0])
     unit, scale = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10),
@@ -268,9 +292,11 @@ def comparison_rows(run: Run) -> list[list[str]]:
     out = []
     for name, comp, comm, total, peak, sent in run.rows():
         vs = f"{total / base:.2f}x" if base > 0 else "-"
+        # once compiled, the compiled row's peak is the plan's memory figure and verdict
+        estimate_only = name == "plan (cost model)" and run.priced_plan is not None
+        fits = "(estimate)" if estimate_only else "yes" if run.fits(peak) else "NO"
         out.append([name, fmt_seconds(comp), fmt_seconds(comm), fmt_seconds(total), vs,
-                    fmt_bytes(peak), "yes" if run.fits(peak) else "NO",
-                    fmt_bytes(sent) if sent is not None else "-"])
+                    fmt_bytes(peak), fits, fmt_bytes(sent) if sent is not None else "-"])
     for name in _ordered(run.baselines):
         if not isinstance(run.baselines[name], PricedStep):
             out.append([name, "-", "-", "-", "-", "-", "-", str(run.baselines[name])])
@@ -323,6 +349,21 @@ def write_report(run: Run, out_dir: str, formats: Sequence[str] = ("json", "md",
     return written
 
 
+def use_this_plan(run: Run) -> list[str]:
+    """The report's "use this plan" section: the code that loads plan.json and runs it."""
+    names, sizes = run.plan.mesh.names, run.plan.mesh.sizes
+    return ["## Use this plan", "",
+            ("The plan is saved as `plan.json` beside this report. Run your step with it (no "
+             "search; shardplan checks that the step, its input shapes and the mesh are the "
+             "ones it was planned for):"), "", "```python", "import jax", "import shardplan", "",
+            'plan = shardplan.load_plan("plan.json")',
+            f"mesh = jax.make_mesh({tuple(sizes)}, {tuple(names)})",
+            "# donate_argnums: the positions of the state (parameters, optimizer state)",
+            "step = shardplan.auto(train_step, mesh=mesh, plan=plan, donate_argnums=(0, 1))",
+            "state, *rest = step(state, batch)      # the same arguments as train_step", "```",
+            "", "`shardplan show plan.json` prints its summary.", ""]
+
+
 def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
     plan, e = run.plan, run.plan.estimate
     lines = [f"# shardplan: {run.label} on {run.hardware}", ""]
@@ -332,9 +373,11 @@ def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
         f"- mesh: {run.mesh} ({plan.mesh.num_devices} devices), hardware profile `{run.hardware}`",
         f"- parameters: {run.num_params / 1e6:,.1f} M, dtype {run.dtype}",
         f"- memory budget: {fmt_bytes(run.budget)} per device",
-        (f"- estimate (cost model): {fmt_seconds(e.total_s)} per step = compute "
-         f"{fmt_seconds(e.compute_s)} + communication {fmt_seconds(e.comm_s)}; peak "
-         f"{fmt_bytes(e.peak_bytes)}, state {fmt_bytes(e.state_bytes)} per device"),
+        (f"- plan ({plan.estimate_source}): {fmt_seconds(e.total_s)} per step = compute "
+         f"{fmt_seconds(e.compute_s)} + communication {fmt_seconds(e.comm_s)}; state "
+         f"{fmt_bytes(e.state_bytes)} per device"),
+        (f"- peak memory ({run.plan_peak()[1]}): {fmt_bytes(run.plan_peak()[0])} per device: "
+         f"{'fits' if run.fits(run.plan_peak()[0]) else 'DOES NOT FIT'} the budget"),
         f"- search: {run.search_s:.1f} s ({plan.solver})", "",
     ]
     if len(run.meshes) > 1:
@@ -383,6 +426,7 @@ def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
             (o.primitive, o.name[-60:], o.strategy, fmt_seconds(o.compute_s),
              fmt_seconds(o.comm_s)) for o in ops])
         lines.append("")
+    lines += use_this_plan(run)
     notes = tuple(plan.notes) + tuple(run.notes)
     if notes:
         lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.inter import split as split_mod
@@ -49,18 +50,14 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
     fixed = pinned_inputs(traced, mesh_shape, options)
     intra = plan_intra(graph, mesh_shape, cost, intra_options(options, budget, fixed,
                                                              deadline=deadline, donated=donated))
-    ops = []
-    for node in graph.nodes:
-        s = intra.node_strategies[node.id]
-        c, k = cost.node_time(graph, node, s)
-        ops.append(OpRow(node.primitive, node.name, s.name, c, k))
+    ops = tuple(op_rows(graph, cost, intra))
     plan = Plan(
         mesh=mesh_shape, hardware=hw.name,
         input_names=traced.arg_info.input_names, input_specs=intra.input_specs,
         output_names=traced.arg_info.output_names, output_specs=intra.output_specs,
         constraints={v: intra.value_specs[v] for v in sorted(intra.constrained)},
         estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
-        memory_budget=options.memory_budget, ops=tuple(ops),
+        memory_budget=options.memory_budget, ops=ops,
         search_s=time.perf_counter() - start, notes=intra.notes + _pinned_note(fixed, traced),
         solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, "
                f"{intra.num_choices} choices",
@@ -73,6 +70,25 @@ def _pinned_note(fixed, traced: TracedStep) -> tuple[str, ...]:
         return ()
     n = len(traced.in_avals)
     return (f"hints pinned {len(fixed)} of {n} inputs; the ILP planned the rest",)
+
+
+def op_rows(graph: Graph, cost: AlphaBetaCost, intra: IntraPlan) -> list[OpRow]:
+    """Each node's compute and communication: its strategy's own collectives, and resharding
+    its operands into the layouts it reads (counted at the first node that reads a value in a
+    layout: XLA reshards once for all of them)."""
+    specs, seen, rows = intra.value_specs, set(), []
+    for node in graph.nodes:
+        s = intra.node_strategies[node.id]
+        c, k = cost.node_time(graph, node, s)
+        for v, dst in zip(node.inputs, s.in_specs):
+            src = specs.get(v)
+            if src is None or src == dst or (v, src, dst) in seen:
+                continue
+            seen.add((v, src, dst))
+            comms = cost.reshard_comms(graph.values[v], src, dst)
+            k += node.trips * collectives.comms_time(comms, cost.mesh, cost.links)
+        rows.append(OpRow(node.primitive, node.name, s.name, c, k))
+    return rows
 
 
 def plan_step(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,

@@ -100,7 +100,7 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert main(["show", str(tmp_path / "missing.json")]) == 2
     (tmp_path / "junk.json").write_text('{"format": 1}')
     assert main(["show", str(tmp_path / "junk.json")]) == 2
-    assert "not a plan saved by shardplan" in capsys.readouterr().err
+    assert "plan has no 'mesh'" in capsys.readouterr().err
     assert main(["bench", str(tmp_path / "nowhere")]) == 2
 
 
@@ -170,8 +170,10 @@ def test_bench(tmp_path, capsys, devices):
     (bench / "c-small.yaml").write_text((bench / "c-small.yaml").read_text().replace(
         "a100-80gb,", "a100-80gb, memory_budget: 1KiB,"))
     out = tmp_path / "out"
-    assert main(["bench", str(bench), "--out", str(out), "-q"]) == 0
-    printed = capsys.readouterr().out
+    assert main(["bench", str(bench), "--out", str(out), "-q"]) == 5  # c-small fits no plan
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "1 of 3 bench configs failed: c-small (no plan fits" in captured.err
     assert "plan / best" in printed and "a-mlp-2x4" in printed
     with open(out / "bench.csv") as f:
         rows = {r["config"]: r for r in csv.DictReader(f)}
@@ -227,3 +229,93 @@ def test_entry_imports_from_the_current_and_the_config_directory(tmp_path):
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         assert (cwd / "out" / "plan.json").exists()
+
+
+@pytest.mark.parametrize("text, what", [
+    ("[1, 2, 3]", "holds list, not a plan object"),
+    ('{"version": 2, "mesh": {"names": ["x"], "sizes": [', "not valid JSON"),
+    ('{"version": 2, "mesh": {"names": ["x"], "sizes": ["eight"]}}', "should be an integer"),
+])
+def test_show_a_broken_plan_file_exits_2_without_a_traceback(tmp_path, capsys, text, what):
+    (tmp_path / "plan.json").write_text(text)
+    assert main(["show", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert what in err and "Traceback" not in err
+
+
+BROKEN_ENTRY = """\
+def helper():
+    raise RuntimeError("my model is broken")
+
+
+def make():
+    helper()
+
+
+def wrong():
+    return 42
+"""
+
+
+def test_an_entry_that_raises_exits_2_showing_the_users_frames(tmp_path, capsys, monkeypatch):
+    (tmp_path / "broken_steps.py").write_text(BROKEN_ENTRY)
+    (tmp_path / "import_fails.py").write_text("import numpy\nraise ValueError('bad import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _write(tmp_path, 'model: {entry: "broken_steps:make"}\n'
+                  "cluster: {hardware: a100-80gb, mesh: {shape: [8]}}\n")
+    assert main(["search", path, "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "RuntimeError: my model is broken" in err and "broken_steps.py" in err
+    assert "in helper" in err and "shardplan/cli.py" not in err and "Traceback" not in err
+    assert main(["search", path, "-q", "--set", "model.entry=broken_steps:wrong"]) == 2
+    assert "returned int" in capsys.readouterr().err
+    assert main(["search", path, "-q", "--set", "model.entry=import_fails:make"]) == 2
+    err = capsys.readouterr().err
+    assert "ValueError: bad import" in err and "import_fails.py" in err
+
+
+def test_internal_errors_exit_1_with_a_traceback_only_under_debug(tmp_path, capsys, monkeypatch):
+    import shardplan
+
+    def boom(*args, **kwargs):
+        raise KeyError("oops")
+
+    monkeypatch.setattr(shardplan, "search", boom)
+    path = _write(tmp_path)
+    assert main(["search", path, "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error: KeyError" in err and "--debug" in err and "Traceback" not in err
+    assert main(["--debug", "search", path, "-q"]) == 1
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_time_limit_with_no_plan_exits_4(tmp_path, capsys, monkeypatch):
+    import shardplan
+
+    class SearchTimeout(RuntimeError):  # as shardplan.intra.ilp names it
+        pass
+
+    def slow(*args, **kwargs):
+        raise SearchTimeout("no plan within 20 s")
+
+    monkeypatch.setattr(shardplan, "search", slow)
+    assert main(["search", _write(tmp_path), "-q"]) == 4
+    err = capsys.readouterr().err
+    assert "time limit of 20 s ran out" in err and "Traceback" not in err
+
+
+def test_pipeline_settings_are_rejected_or_noted(tmp_path, capsys):
+    path = _write(tmp_path)
+    assert main(["search", path, "-q", "--set", "search.pipeline=true"]) == 2
+    assert "search.pipeline" in capsys.readouterr().err
+    assert main(["search", path, "-q", "--set", "search.num_micro_batches=4"]) == 2
+
+
+def test_exit_codes_are_in_the_help_and_the_readme(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    for code in range(6):
+        assert f"\n  {code}  " in text
+        assert f"| {code} |" in readme

@@ -96,7 +96,8 @@ def test_write_report(tmp_path):
     md = (tmp_path / "report.md").read_text()
     for text in ("# shardplan: gpt-test on a100-80gb", "| two_d (XLA) |", "![", "memory.png",
                  "Predicted vs compiled", "reduce-scatter", "Meshes tried",
-                 "`[*]['layer_*']['w']`", "| 2 |", "plan / best baseline (two_d): 0.83x"):
+                 "`[0]['layer_*']['w']`", "## Use this plan",
+                 'shardplan.load_plan("plan.json")', "mesh = jax.make_mesh((2, 4), ('data', 'model'))", "| 2 |", "plan / best baseline (two_d): 0.83x"):
         assert text in md, text
     only_md = report.write_report(run, str(tmp_path / "md"), formats=("md",))
     assert [p.rsplit("/", 1)[1] for p in only_md] == ["report.md"]
@@ -111,3 +112,24 @@ def test_pipeline_report_draws_a_timeline(tmp_path):
     assert str(tmp_path / "timeline.png") in written
     md = (tmp_path / "report.md").read_text()
     assert "Pipeline stages" in md and "timeline.png" in md
+
+
+def test_one_memory_figure_for_a_plan_that_fits_by_estimate_and_not_once_compiled(tmp_path):
+    """300 MiB by the cost model fits 400 MiB; compiled, the plan needs 450 MiB: the summary,
+    the table, the JSON and the plot all say 450 MiB and over, the estimate kept as such."""
+    priced = _priced(0.010, 450 * MiB)
+    plan = report.compiled_plan(_plan(), priced)
+    run = _run(plan=plan, priced_plan=priced)
+    assert run.plan_peak() == (450 * MiB, "compiled by XLA") and not run.fits(450 * MiB)
+    summary = plan.summary()
+    assert "(compiled by XLA)" in summary and "450.00 MiB" in summary and "OVER" in summary
+    rows = {r[0]: r for r in report.comparison_rows(run)}
+    assert rows["plan (XLA)"][5:7] == ["450.00 MiB", "NO"]
+    assert rows["plan (cost model)"][5:7] == ["300.00 MiB", "(estimate)"]
+    assert rows["plan (cost model)"][3] == "18.700 ms"  # the model's own step time
+    d = plan.to_dict()
+    assert d["estimate"]["peak_bytes"] == 450 * MiB and d["model_estimate"]["peak_bytes"] == 300 * MiB
+    assert next(r[0] for r in report.memory_rows(run)) == "plan (XLA)"
+    assert "plan (cost model)" not in [r[0] for r in report.memory_rows(run)]
+    md = report.report_markdown(run)
+    assert "peak memory (compiled by XLA): 450.00 MiB per device: DOES NOT FIT" in md

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Mapping
 
 import numpy as np
 
+from shardplan import _compat
 from shardplan.cost.estimate import Estimate
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra import estimate as estimate_mod
@@ -128,8 +128,8 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
     covered = coverage_mod.coverage(graph)
     if covered.replicated:
         names = ", ".join(sorted(p for p, _, _ in covered.replicated))
-        warnings.warn(f"shardplan: no sharding rule for {names}; these ops run replicated",
-                      stacklevel=3)
+        _compat.warn_at_caller(f"shardplan: no sharding rule for {names}; these ops run "
+                               "replicated")
     problem = Problem(graph, mesh, cost, options)
     inp = problem.solver_input()
     try:
