@@ -17,27 +17,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import importlib
 import os
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 import shardplan
 from shardplan import baselines as bl
-from shardplan import bench, models, report
+from shardplan import bench, report
 from shardplan.cli_render import Phases, consoles, print_bench, print_run, write_outputs
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError, load_config
-from shardplan.ir.trace import abstractify
 from shardplan.measure import compile_and_price as price_program
 from shardplan.measure import cpu_mesh
 from shardplan.plan import PlanFileError, load_plan
 from shardplan.units import fmt_bytes
+from shardplan.workload import Workload, build_workload
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_TIMEOUT, EXIT_BENCH_FAILED = (
     0, 1, 2, 3, 4, 5)
@@ -51,9 +49,6 @@ exit codes:
   4  the search's time limit ran out before any plan was found (raise search.time_limit)
   5  bench: some configs failed (each is named, with why, in bench.md and on stderr)"""
 
-_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
 class TimedOut(Exception):
     """The time limit ran out on every mesh before a plan was found."""
 
@@ -64,106 +59,6 @@ class Infeasible(Exception):
     def __init__(self, message: str, min_bytes: float):
         super().__init__(message)
         self.min_bytes = min_bytes
-
-
-# -- the workload ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """The step to plan, with abstract args; `step` is set when it is a zoo-style TrainStep
-    (the baselines need its state/batch layout)."""
-
-    label: str
-    fn: Any
-    args: tuple
-    state_argnums: tuple[int, ...] | None
-    batch_argnums: tuple[int, ...] | None
-    step: Any = None
-    num_params: int = 0
-    dtype: str = "float32"
-
-
-def build_workload(config: Config) -> Workload:
-    """The config's train step with ShapeDtypeStruct args (nothing allocated)."""
-    m = config.model
-    if m.name is not None:
-        try:
-            step = models.get_model(m.name, m.size, abstract=True, batch_size=m.batch_size,
-                                    **m.zoo_overrides())
-        except (ValueError, TypeError) as e:
-            raise ConfigError("model", f"cannot build {m.label}: {e}", config.source) from None
-    else:
-        make = load_entry(m.entry, config.source)
-        try:
-            step = make(**m.kwargs)
-        except Exception as e:  # noqa: BLE001 - the user's code: say where it failed
-            raise ConfigError("model.entry", f"{m.entry}(**model.kwargs) raised "
-                              f"{user_error(e)}", config.source) from None
-    if isinstance(step, models.TrainStep):
-        args = jax.tree.map(abstractify, step.args)
-        dtype = m.dtype or str(getattr(step.config, "dtype", None) or "float32")
-        step = dataclasses.replace(step, args=args)
-        return Workload(m.label if m.name else step.name, step.fn, args, step.state_argnums,
-                        step.batch_argnums, step, step.num_params, dtype)
-    if isinstance(step, tuple) and len(step) == 2 and callable(step[0]):
-        fn, args = step
-        args = jax.tree.map(abstractify, tuple(args))
-        n = sum(int(getattr(x, "size", 0)) for x in jax.tree.leaves(args))
-        return Workload(m.label, fn, args, None, None, None, n, m.dtype or "float32")
-    raise ConfigError("model.entry", f"{m.entry} returned {type(step).__name__}; return a "
-                      "shardplan.models.TrainStep or a (fn, args) tuple", config.source)
-
-
-@contextlib.contextmanager
-def _importable_from(directories: Sequence[str]) -> Iterator[None]:
-    """`directories` on sys.path (first) while the block runs."""
-    added = [d for d in dict.fromkeys(directories) if d not in sys.path]
-    sys.path[:0] = added
-    try:
-        yield
-    finally:
-        for d in added:
-            with contextlib.suppress(ValueError):
-                sys.path.remove(d)
-
-
-def load_entry(entry: str, source: str | None = None):
-    """The object named by "package.module:function", imported from the current directory, the
-    config file's directory (`source`'s), or sys.path (a console script's sys.path holds
-    neither directory)."""
-    module, _, attr = entry.partition(":")
-    where = [os.getcwd()] + ([os.path.dirname(os.path.abspath(source))] if source else [])
-    try:
-        with _importable_from(where):
-            obj = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        if isinstance(e, ImportError) and e.name != module.split(".")[0] and e.name != module:
-            raise ConfigError("model.entry", f"importing {module!r} raised {user_error(e)}",
-                              source) from None
-        raise ConfigError("model.entry", f"cannot load {entry!r}: {e}; it must name a function "
-                          "importable from the current directory, the config's directory or "
-                          "PYTHONPATH", source) from None
-    except Exception as e:  # noqa: BLE001 - the user's module raised while importing
-        raise ConfigError("model.entry", f"importing {module!r} raised {user_error(e)}",
-                          source) from None
-    if not callable(obj):
-        raise ConfigError("model.entry", f"{entry!r} is a {type(obj).__name__}, not a function",
-                          source)
-    return obj
-
-
-def user_error(e: BaseException) -> str:
-    """An exception raised in the user's code: its type, message and the user's own frames
-    (those of shardplan, importlib and the standard library left out)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith(_HERE) and "importlib" not in f.filename
-              and not f.filename.startswith("<frozen")]
-    where = "".join(traceback.format_list(frames)).rstrip()
-    head = "".join(traceback.format_exception_only(type(e), e)).strip()
-    return f"{head}\n{where}" if where else head
 
 
 # -- devices --------------------------------------------------------------------------------
@@ -216,10 +111,7 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
                 infeasible.append(e)
                 tried[label] = f"no plan fits (needs {fmt_bytes(e.min_bytes)})"
                 continue
-            except RuntimeError as e:
-                # shardplan.intra.ilp.SearchTimeout (the time limit ran out with no plan)
-                if type(e).__name__ != "SearchTimeout":
-                    raise
+            except shardplan.SearchTimeout as e:
                 tried[label] = f"time limit ran out: {str(e).splitlines()[0]}"
                 continue
         tried[label] = plan.estimate.total_s

@@ -23,7 +23,7 @@ def test_configs_are_shipped():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: os.path.relpath(p, ROOT))
 def test_shipped_config_loads_and_builds(path, devices):
-    from shardplan.cli import build_workload
+    from shardplan.workload import build_workload
 
     config = load_config(path)
     assert config.description, "every shipped config says what it is"

@@ -69,7 +69,7 @@ def test_infeasible_budget_reports_smallest_memory():
 
 
 def test_compress_edge_is_exact():
-    from shardplan.intra.ilp import compress_edge
+    from shardplan.intra.cpsat import compress_edge
 
     rng = np.random.default_rng(0)
     base = rng.uniform(size=(3, 4))

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from shardplan.intra import ilp
+from shardplan.intra import cpsat, ilp
 from shardplan.intra.ilp import Copy, InfeasibleMemory, SearchTimeout, SolverInput
 from shardplan.units import Deadline, fmt_bytes, parse_bytes
 
@@ -99,7 +99,7 @@ def test_an_expired_deadline_with_nothing_that_fits_says_time_ran_out():
 def test_cp_sat_gets_only_what_remains():
     inp = memory_problem(3)
     inp = dataclasses.replace(inp, time_limit_s=30.0, deadline=Deadline(1.5))
-    p = ilp._solver(inp).parameters
+    p = cpsat.solver_for(inp).parameters
     assert p.max_time_in_seconds <= 1.5 * 1.2  # the limit and its grace, no more
     assert p.max_deterministic_time == 30.0  # the same plan when the limit is generous
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import NamedTuple
 
 import numpy as np
-from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
+from shardplan.intra import cpsat
 from shardplan.options import DEFAULTS
 from shardplan.units import Deadline, fmt_bytes
 
@@ -120,68 +119,6 @@ class SearchTimeout(RuntimeError):
             "a proof that none fits)")
 
 
-def compress_edge(m, row_keys=None, col_keys=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(row group of each row, column group of each column, the matrix over groups): rows
-    (columns) that are equal everywhere, and in `row_keys[k]` (`col_keys[l]`), are one
-    group, exactly."""
-    m = np.asarray(m, dtype=float)
-    key = np.where(np.isfinite(m), m, -1.0)
-    rkey = key if row_keys is None else np.hstack([key, row_keys])
-    _, first_r, rows = np.unique(rkey, axis=0, return_index=True, return_inverse=True)
-    key_r = key[np.sort(first_r)]
-    order_r = np.argsort(np.argsort(first_r))
-    rows = order_r[rows.ravel()]
-    ckey = key_r if col_keys is None else np.vstack([key_r, np.asarray(col_keys).T])
-    _, first_c, cols = np.unique(ckey, axis=1, return_index=True, return_inverse=True)
-    order_c = np.argsort(np.argsort(first_c))
-    cols = order_c[cols.ravel()]
-    reduced = m[np.sort(first_r)][:, np.sort(first_c)]
-    return rows, cols, reduced
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pair:
-    """An edge's matrix over groups of choices, and the copies on the same two nodes (each a
-    matrix of bytes over the same groups): one set of pair variables serves both."""
-
-    a: int
-    b: int
-    rows: np.ndarray
-    cols: np.ndarray
-    cost: np.ndarray
-    copies: tuple[tuple[int, np.ndarray], ...]
-
-
-def _pairs(inp: SolverInput) -> list[_Pair]:
-    """The edges, then pairs of nodes that only copies join, each compressed once."""
-    on: dict[tuple[int, int], list[int]] = {}
-    for j, c in enumerate(inp.copies):
-        on.setdefault((c.a, c.b), []).append(j)
-    edges = [(a, b, m) for a, b, m in inp.edges]
-    have = {(a, b) for a, b, _ in edges}
-    for (a, b) in sorted(on):
-        if (a, b) not in have:
-            edges.append((a, b, np.zeros((len(inp.node_costs[a]), len(inp.node_costs[b])))))
-            have.add((a, b))
-    out = []
-    for a, b, m in edges:
-        js = on.pop((a, b), [])
-        if not js:
-            rows, cols, reduced = compress_edge(m)
-            out.append(_Pair(a, b, rows, cols, reduced, ()))
-            continue
-        cs = [inp.copies[j] for j in js]
-        rk = np.stack([v for c in cs for v in (c.key_a, c.bytes_a)], axis=1)
-        ck = np.stack([v for c in cs for v in (c.key_b, c.bytes_b)], axis=1)
-        rows, cols, reduced = compress_edge(m, rk, ck)
-        fr = [int(np.flatnonzero(rows == g)[0]) for g in range(reduced.shape[0])]
-        fc = [int(np.flatnonzero(cols == g)[0]) for g in range(reduced.shape[1])]
-        sizes = tuple((j, np.array([[c.size(k, l) for l in fc] for k in fr]))
-                      for j, c in zip(js, cs))
-        out.append(_Pair(a, b, rows, cols, reduced, sizes))
-    return out
-
-
 def evaluate(inp: SolverInput, choice) -> tuple[float, float]:
     """(objective, peak memory) of a choice."""
     obj = sum(float(c[k]) for c, k in zip(inp.node_costs, choice))
@@ -208,224 +145,6 @@ def _min_peak_brute(inp: SolverInput) -> float:
         *(range(len(c)) for c in inp.node_costs)))
 
 
-def _finite_max(a) -> float:
-    a = np.asarray(a, dtype=float)
-    a = a[np.isfinite(a)]
-    return float(a.max()) if a.size else 0.0
-
-
-def _scale(inp: SolverInput) -> float:
-    """Seconds -> integer units: the largest finite cost maps to about 1e8 units."""
-    biggest = max([_finite_max(c) for c in inp.node_costs] +
-                  [_finite_max(m) for _, _, m in inp.edges] + [1e-12])
-    return 1e8 / biggest
-
-
-def _build(inp: SolverInput, minimise_memory: bool):
-    model = cp_model.CpModel()
-    scale = _scale(inp)
-    x = [[model.NewBoolVar(f"x{i}_{k}") for k in range(len(c))] for i, c in enumerate(inp.node_costs)]
-    for xs in x:
-        model.AddExactlyOne(xs)
-    objective = []
-    # Infinite costs forbid a choice (a node) or a pair of choices (an edge).
-    for i, c in enumerate(inp.node_costs):
-        for k, v in enumerate(c):
-            if not np.isfinite(v):
-                model.Add(x[i][k] == 0)
-            elif v > 0:
-                objective.append(round(float(v) * scale) * x[i][k])
-    copy_terms: dict[int, tuple[list, list]] = {}
-    for e, pair in enumerate(_pairs(inp)):
-        # Alpa's formulation: e[k,l] picks the pair; its marginals are the two nodes' choices.
-        # Its LP relaxation is tight on trees, which keeps CP-SAT's search small. Strategies
-        # with equal rows (columns) share one marginal: the edge only sees their layouts.
-        # A reshard's copy is a sum over the same pair variables.
-        a, b, rows, cols, m = pair.a, pair.b, pair.rows, pair.cols, pair.cost
-        ka, kb = m.shape
-        ev = [[model.NewBoolVar(f"e{e}_{k}_{l}") for l in range(kb)] for k in range(ka)]
-        for k in range(ka):
-            model.Add(sum(ev[k]) == sum(x[a][i] for i in np.flatnonzero(rows == k)))
-        for l in range(kb):
-            model.Add(sum(ev[k][l] for k in range(ka)) ==
-                      sum(x[b][j] for j in np.flatnonzero(cols == l)))
-        for k in range(ka):
-            for l in range(kb):
-                v = m[k, l]
-                if not np.isfinite(v):
-                    model.Add(ev[k][l] == 0)
-                elif v > 0:
-                    objective.append(round(float(v) * scale) * ev[k][l])
-        for j, size in pair.copies:
-            vs, cs = copy_terms.setdefault(j, ([], []))
-            for k in range(ka):
-                for l in range(kb):
-                    if size[k, l] > 0:
-                        vs.append(ev[k][l])
-                        cs.append(math.ceil(size[k, l]))
-
-    mem_exprs = _memory_exprs(model, inp, x, copy_terms)
-    if minimise_memory:
-        peak = model.NewIntVar(0, _memory_bound(inp), "peak")
-        for expr in mem_exprs:
-            model.Add(peak >= expr)
-        model.Minimize(peak)
-    else:
-        if inp.memory_budget is not None:
-            for expr in mem_exprs:
-                model.Add(expr <= int(inp.memory_budget))
-        model.Minimize(sum(objective))
-    if inp.hint is not None:
-        for i, k in enumerate(inp.hint):
-            for kk, var in enumerate(x[i]):
-                model.AddHint(var, kk == k)
-    return model, x
-
-
-def _memory_bound(inp: SolverInput) -> int:
-    """More bytes than any choice can need."""
-    total = sum(float(np.max(mem)) for _, mem in inp.memory_base)
-    total += sum(float(np.max(mem)) for row in inp.memory_rows for _, mem in row)
-    total += sum(float(np.max(c.bytes_a) + np.max(c.bytes_b)) for c in inp.copies)
-    return int(total) + 1
-
-
-def _weighted(terms, x):
-    """[(vars, coefficients)] of a row's (node, bytes per choice) terms."""
-    vs, cs = [], []
-    for n, mem in terms:
-        for k, v in enumerate(mem):
-            if v > 0:
-                vs.append(x[n][k])
-                cs.append(math.ceil(float(v)))
-    return vs, cs
-
-
-def _memory_exprs(model, inp: SolverInput, x, copy_terms) -> list:
-    """One expression per memory row: the base, the row's buffers, the copies alive then.
-    The base and each copy are one variable, shared by the rows."""
-    if not inp.memory_rows and not inp.memory_base:
-        return []
-    bound = _memory_bound(inp)
-    base_vs, base_cs = _weighted(inp.memory_base, x)
-    base = model.NewIntVar(0, bound, "mem_base")
-    model.Add(base == cp_model.LinearExpr.WeightedSum(base_vs, base_cs))
-    copy_vars = []
-    for j in range(len(inp.copies)):
-        vs, cs = copy_terms.get(j, ([], []))
-        size = model.NewIntVar(0, bound, f"copy{j}")
-        model.Add(size == cp_model.LinearExpr.WeightedSum(vs, cs))
-        copy_vars.append(size)
-    exprs = []
-    rows = inp.memory_rows or (((),) if inp.memory_base else ())
-    for r, row in enumerate(rows):
-        vs, cs = _weighted(row, x)
-        vs.append(base)
-        cs.append(1)
-        for j in (inp.row_copies[r] if r < len(inp.row_copies) else ()):
-            vs.append(copy_vars[j])
-            cs.append(1)
-        exprs.append(cp_model.LinearExpr.WeightedSum(vs, cs))
-    return exprs
-
-
-def _solver(inp: SolverInput):
-    solver = cp_model.CpSolver()
-    p = solver.parameters
-    p.random_seed = inp.seed
-    p.num_workers = max(1, inp.workers)
-    # One worker and a deterministic time limit give the same plan for the same input; more
-    # workers search faster but race (interleave_search would fix that, at 1000x the time).
-    p.max_deterministic_time = inp.time_limit_s
-    p.max_time_in_seconds = max(0.01, min(inp.time_limit_s * 4, inp.remaining()))
-    # Lean on the LP relaxation: it is tight for these problems (measured: integral on a GPT
-    # train step), and level 2 proves optimality in seconds where the default takes minutes.
-    p.linearization_level = 2
-    return solver
-
-
-def _lp_relaxation(inp: SolverInput):
-    """Solve the LP relaxation with GLOP: (per-node fractional choices, objective) or None."""
-    lp = pywraplp.Solver.CreateSolver("GLOP")
-    if lp is None:
-        return None
-    # Dual simplex: 8x faster than primal on these problems (measured on a GPT layer, 2x4 mesh).
-    lp.SetSolverSpecificParametersAsString("use_dual_simplex: true")
-    x = [[lp.NumVar(0.0, 1.0, "") for _ in c] for c in inp.node_costs]
-    objective = lp.Objective()
-    for i, c in enumerate(inp.node_costs):
-        row = lp.Constraint(1.0, 1.0)
-        for k, v in enumerate(c):
-            row.SetCoefficient(x[i][k], 1.0)
-            if not np.isfinite(v):
-                x[i][k].SetUb(0.0)
-            elif v:
-                objective.SetCoefficient(x[i][k], float(v))
-    copy_terms: dict[int, list] = {}
-    for pair in _pairs(inp):
-        a, b, rows, cols, m = pair.a, pair.b, pair.rows, pair.cols, pair.cost
-        ev = [[lp.NumVar(0.0, 0.0 if not np.isfinite(m[k, l]) else 1.0, "")
-               for l in range(m.shape[1])] for k in range(m.shape[0])]
-        for k in range(m.shape[0]):
-            row = lp.Constraint(0.0, 0.0)
-            for i in np.flatnonzero(rows == k):
-                row.SetCoefficient(x[a][int(i)], -1.0)
-            for l in range(m.shape[1]):
-                row.SetCoefficient(ev[k][l], 1.0)
-                if np.isfinite(m[k, l]) and m[k, l]:
-                    objective.SetCoefficient(ev[k][l], float(m[k, l]))
-        for l in range(m.shape[1]):
-            row = lp.Constraint(0.0, 0.0)
-            for j in np.flatnonzero(cols == l):
-                row.SetCoefficient(x[b][int(j)], -1.0)
-            for k in range(m.shape[0]):
-                row.SetCoefficient(ev[k][l], 1.0)
-        for j, size in pair.copies:
-            copy_terms.setdefault(j, []).extend(
-                (ev[k][l], float(size[k, l])) for k in range(m.shape[0])
-                for l in range(m.shape[1]) if size[k, l] > 0)
-        if inp.remaining() <= 0:
-            return None
-    if inp.memory_budget is not None:
-        _lp_memory(lp, inp, x, copy_terms)
-    objective.SetMinimization()
-    if inp.deadline is not None:
-        lp.SetTimeLimit(max(1, int(1000 * inp.remaining())))
-    if lp.Solve() != pywraplp.Solver.OPTIMAL:
-        return None
-    return [np.array([v.solution_value() for v in xs]) for xs in x], objective.Value()
-
-
-def _lp_memory(lp, inp: SolverInput, x, copy_terms) -> None:
-    """The memory rows in the relaxation, as _memory_exprs writes them for CP-SAT."""
-    def add(row, terms, sign=1.0):
-        for n, mem in terms:
-            for k, v in enumerate(mem):
-                if v:
-                    row.SetCoefficient(x[n][k], row.GetCoefficient(x[n][k]) + sign * float(v))
-
-    base = lp.NumVar(0.0, lp.infinity(), "")
-    row = lp.Constraint(0.0, 0.0)
-    row.SetCoefficient(base, -1.0)
-    add(row, inp.memory_base)
-    copy_vars = []
-    for j in range(len(inp.copies)):
-        size = lp.NumVar(0.0, lp.infinity(), "")
-        row = lp.Constraint(0.0, 0.0)
-        row.SetCoefficient(size, -1.0)
-        for var, v in copy_terms.get(j, ()):
-            row.SetCoefficient(var, v)
-        copy_vars.append(size)
-    rows = inp.memory_rows or (((),) if inp.memory_base else ())
-    for r, mem_row in enumerate(rows):
-        row = lp.Constraint(-lp.infinity(), float(inp.memory_budget))
-        row.SetCoefficient(base, 1.0)
-        add(row, mem_row)
-        for j in (inp.row_copies[r] if r < len(inp.row_copies) else ()):
-            row.SetCoefficient(copy_vars[j], 1.0)
-
-
-# Memory rows the ILP starts with, and adds per round: the rows a solution overflows.
 ROWS_PER_ROUND = 8
 
 
@@ -539,7 +258,7 @@ def greedy_choices(inp: SolverInput) -> list[tuple[int, ...]]:
 def _solve_rows(inp: SolverInput) -> Solution | None:
     """LP, then CP-SAT, with the rows of `inp`: a Solution, None when the time ran out first,
     or _Infeasible when no choice fits them."""
-    relaxed = _lp_relaxation(inp) if inp.remaining() > 0 else None
+    relaxed = cpsat.lp_relaxation(inp) if inp.remaining() > 0 else None
     if relaxed is not None:
         fractions, _ = relaxed
         rounded = tuple(int(np.argmax(f)) for f in fractions)
@@ -551,8 +270,8 @@ def _solve_rows(inp: SolverInput) -> Solution | None:
         inp = dataclasses.replace(inp, hint=rounded)
     if inp.remaining() <= 0:
         return None
-    model, x = _build(inp, minimise_memory=False)
-    solver = _solver(inp)
+    model, x = cpsat.build_model(inp, minimise_memory=False)
+    solver = cpsat.solver_for(inp)
     status = solver.Solve(model)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         choice = tuple(next(k for k, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
@@ -594,8 +313,8 @@ def _simple_bound(inp: SolverInput) -> float:
 
 def _min_rows(inp: SolverInput) -> tuple[float, bool, tuple[int, ...] | None]:
     """(least peak over the rows of inp or a lower bound, proven, a choice reaching it)."""
-    model, x = _build(inp, minimise_memory=True)
-    solver = _solver(inp)
+    model, x = cpsat.build_model(inp, minimise_memory=True)
+    solver = cpsat.solver_for(inp)
     status = solver.Solve(model)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         choice = tuple(next(k for k, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
