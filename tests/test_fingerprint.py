@@ -8,9 +8,9 @@ import jax
 
 import shardplan
 from shardplan import fingerprint
-from shardplan.api import Options
 from shardplan.cost.hardware import get_profile
 from shardplan.ir.trace import trace
+from shardplan.options import SearchOptions as Options
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from tests.conftest import auto_mesh
 from tests.test_api import mlp_args, mlp_step

@@ -117,7 +117,7 @@ def test_plan_over_budget_once_compiled_is_replanned_under_a_scaled_budget(monke
         return plan_with(budget * 0.9, "again")
 
     monkeypatch.setattr(measure, "measure", fake_measure)
-    monkeypatch.setattr(measure, "expert_plans", lambda graph, plan: {})
+    monkeypatch.setattr(measure, "expert_plans", lambda graph, plan, pinned=None: {})
     monkeypatch.setattr(measure, "compute_dtype", lambda graph: "float32")
     kept, candidates = measure.select(None, None, plan_with(60.0, "first"), None, A100,
                                       memory_budget=100.0, replan=replan)
