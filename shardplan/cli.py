@@ -31,8 +31,10 @@ from shardplan import baselines as bl
 from shardplan import bench, report
 from shardplan.cli_render import Phases, consoles, print_bench, print_run, write_outputs
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError, load_config
+from shardplan.ir.lift import lift
+from shardplan.ir.trace import trace
 from shardplan.measure import compile_and_price as price_program
-from shardplan.measure import cpu_mesh
+from shardplan.measure import cpu_mesh, expert_plans, lower_plan
 from shardplan.plan import PlanFileError, load_plan
 from shardplan.units import fmt_bytes
 from shardplan.workload import Workload, build_workload
@@ -157,9 +159,7 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
                        notes: list[str]) -> dict[str, Any]:
     """{baseline: its program priced, or why not} for the baselines that apply."""
     if work.step is None:
-        notes.append("baselines skipped: model.entry returned (fn, args), and the baselines "
-                     "need a TrainStep (which args are params, optimizer state and batch)")
-        return {}
+        return _compile_expert_plans(work, plan, mesh, hw, phases)
     results: dict[str, Any] = {}
     for name in list(config.output.baselines or bl.applicable_baselines(work.step, mesh)):
         with phases(f"compiling baseline {name}"):
@@ -170,6 +170,22 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
                 _, results[name] = price_program(jitted.lower(*work.args), mesh, plan.mesh, hw,
                                                  work.dtype)
             except Exception as e:  # noqa: BLE001 - one failing baseline must not hide the others
+                results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return results
+
+
+def _compile_expert_plans(work: Workload, plan, mesh, hw, phases: Phases) -> dict[str, Any]:
+    """The expert plans (shardplan.intra.experts) of a step that is no TrainStep, (fn, args)
+    from model.entry: state and batch as the tracer classifies them, compiled and priced."""
+    traced = trace(work.fn, work.args, work.state_argnums, work.batch_argnums)
+    graph = lift(traced.closed_jaxpr, traced.arg_info)
+    results: dict[str, Any] = {}
+    for name, expert in expert_plans(graph, plan).items():
+        with phases(f"compiling expert plan {name}"):
+            try:
+                lowered = lower_plan(graph, traced, expert, mesh, traced.state_argnums)
+                _, results[name] = price_program(lowered, mesh, plan.mesh, hw, work.dtype)
+            except Exception as e:  # noqa: BLE001 - one failing plan must not hide the others
                 results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     return results
 

@@ -153,7 +153,10 @@ def test_entry_functions(tmp_path, capsys, monkeypatch, devices):
     """)
     assert main(["search", path, "--out", str(tmp_path / "a"), "-q"]) == 0
     out = capsys.readouterr().out
-    assert "plan (XLA)" in out and "baselines skipped" in out
+    # a (fn, args) entry gets the expert plans beside the plan, compiled and priced
+    assert "plan (XLA)" in out and "data_parallel" in out and "fsdp" in out
+    report = json.loads((tmp_path / "a" / "comparison.json").read_text())
+    assert {"data_parallel", "fsdp"} <= set(json.dumps(report).split('"')), report
     assert main(["search", path, "--out", str(tmp_path / "b"), "-q", "--set",
                  'model={entry: "shardplan.models:get_model", kwargs: {name: mlp}}',
                  "--set", "output.compare=false", "--set", "search.measure=false"]) == 0

@@ -105,7 +105,7 @@ def _run_loop(graph: Graph, loop: Loop, env: dict, hooks: Hooks) -> None:
                     for b in range(len(loop.bodies))]
         outs = jax.lax.switch(ops[0], [lambda f=f: f() for f in branches])
     else:
-        init_at = len(ops) - nc - (len(loop.enter) - nc)
+        init_at = len(ops) - len(loop.enter)  # the operands end with the carries, then xs
         init = [hooks.value(c, hooks.operand(n, 0, x))
                 for c, n, x in zip(carries, loop.enter, ops[init_at:init_at + nc])]
         if loop.kind == "scan":
