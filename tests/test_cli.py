@@ -295,11 +295,8 @@ def test_internal_errors_exit_1_with_a_traceback_only_under_debug(tmp_path, caps
 def test_time_limit_with_no_plan_exits_4(tmp_path, capsys, monkeypatch):
     import shardplan
 
-    class SearchTimeout(RuntimeError):  # as shardplan.intra.ilp names it
-        pass
-
     def slow(*args, **kwargs):
-        raise SearchTimeout("no plan within 20 s")
+        raise shardplan.SearchTimeout(20.0, "no plan within the limit")
 
     monkeypatch.setattr(shardplan, "search", slow)
     assert main(["search", _write(tmp_path), "-q"]) == 4
