@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import weakref
 
-from shardplan.cost import collectives
+from shardplan.cost import collectives, ring
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.ir import primitives
 from shardplan.ir.graph import Graph, Node, Value
@@ -97,6 +97,18 @@ class AlphaBetaCost:
             if src == dst:
                 return 0.0
         return self._reshard(value.shape, value.itemsize, src, dst)
+
+    def reshard_latency(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
+        """The latency part of reshard_time: what each further run of the same collectives
+        would add if the bytes were sent in more, smaller pieces."""
+        if src == dst:
+            return 0.0
+        total = 0.0
+        for c in self.reshard_comms(value, src, dst):
+            link = ring.slowest_link(c.axes, self.mesh, self.links)
+            if link is not None and c.nbytes > 0:
+                total += ring.latency_steps(c.kind, self.mesh.size(c.axes)) * link.latency
+        return total
 
     def reshard_comms(self, value: Value, src: ShardSpec, dst: ShardSpec):
         if src == dst:

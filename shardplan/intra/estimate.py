@@ -43,7 +43,7 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
         # XLA reshards a value once for all the consumers that want the same layout.
         done.add((value.id, src, dst))
         comms = cost.reshard_comms(value, src, dst)
-        comm += trips * collectives.comms_time(comms, cost.mesh, cost.links)
+        comm += trips * problem.reshard_time(value, src, dst)
         comm_bytes += trips * collectives.comms_bytes(comms, cost.mesh)
         expected.extend((f"{where}: {src} -> {dst}", c) for c in comms)
 
@@ -61,7 +61,7 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
         s = chosen[n_in + node.id]
         for v, dst in zip(node.inputs, s.in_specs):
             if is_tensor(g.values[v]) and v in value_specs:
-                trips = min(problem.trips(problem.producer[v][0]), node.trips)
+                trips = problem.edge_trips(problem.producer[v][0], n_in + node.id)
                 route(g.values[v], dst, f"into {node.primitive} {node.name}", trips)
     for src, carry, trips in g.carry_edges():
         if is_tensor(g.values[src]) and src in value_specs:

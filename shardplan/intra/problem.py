@@ -190,6 +190,23 @@ class Problem:
             return self.trips(self.producer[self.fanout_of[m - self.num_real]][0])
         return self.graph.nodes[m - self.num_inputs].trips
 
+    def edge_trips(self, p: int, n: int) -> float:
+        """Times the value member p produces is resharded into member n per step: as often as
+        the rarer of the two runs, where a loop's entry reads and its exit writes a value of
+        the enclosing level (a stacked value passed from one loop to the next is resharded
+        once, between the loops, as the emitted program does)."""
+        return min(self._trips_at(p, "leave"), self._trips_at(n, "enter"))
+
+    def _trips_at(self, m: int, side: str) -> float:
+        if m >= self.num_real:  # a fan-out lives where its value does
+            return self._trips_at(self.producer[self.fanout_of[m - self.num_real]][0], "leave")
+        trips = self.trips(m)
+        if self.num_inputs <= m < self.num_real:
+            node = self.graph.nodes[m - self.num_inputs]
+            if node.loop is not None and node.id in getattr(self.graph.loops[node.loop], side):
+                trips /= self.graph.loops[node.loop].trips
+        return trips
+
     def node_cost(self, m: int, k: int) -> float:
         return sum(self.node_times(m, k))
 
@@ -198,6 +215,29 @@ class Problem:
 
     def in_spec(self, m: int, in_idx: int, root_k: int) -> ShardSpec:
         return self.strategies[m][self.groups.pick[m][root_k]].in_specs[in_idx]
+
+    def layers(self, value: Value) -> int:
+        """Rows of `value` that are layers of a scan: its leading dimension when it has the
+        shape of a scan's stacked value (what a loop_slice reads or a loop_stack writes: the
+        stacked parameters, their gradients and optimizer states, saved activations), else 1."""
+        shapes = self.__dict__.get("_stacked_shapes")
+        if shapes is None:
+            shapes = self.__dict__["_stacked_shapes"] = frozenset(
+                self.graph.values[v].shape for node in self.graph.nodes
+                for v in ((node.inputs[0],) if node.primitive == "loop_slice" else
+                          node.outputs if node.primitive == "loop_stack" else ()))
+        return value.shape[0] if value.shape in shapes else 1
+
+    def reshard_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
+        """Seconds to reshard `value` from src to dst. A scan's stacked value is priced as its
+        layers resharded one by one, as the unrolled model's are: the same bytes, a latency per
+        layer (XLA may send them in one collective outside the loop; priced so, a scanned
+        model would win plans on latency that the same model unrolled cannot have)."""
+        time = self.cost.reshard_time(value, src, dst)
+        layers = self.layers(value)
+        if layers > 1 and time > 0:
+            time += (layers - 1) * self.cost.reshard_latency(value, src, dst)
+        return time
 
     def _reshard_matrix(self, value: Value, srcs: list[ShardSpec], dsts: list[ShardSpec]) -> np.ndarray:
         us, si = np.unique([str(s) for s in srcs], return_inverse=True)
@@ -211,7 +251,7 @@ class Problem:
         def time(a, b):
             key = (shape, a, b)
             if key not in memo:
-                memo[key] = self.cost.reshard_time(value, first_s[a], first_d[b])
+                memo[key] = self.reshard_time(value, first_s[a], first_d[b])
             return memo[key]
 
         u = np.array([[time(a, b) for b in ud] for a in us])
@@ -234,9 +274,9 @@ class Problem:
             if value.ndim == 0 and not any(s.partial for s in srcs):
                 return
             if trips is None:
-                trips = min(self.trips(p), self.trips(n))
+                trips = self.edge_trips(p, n)
             if rp == rn:
-                unary[rp] += trips * np.array([self.cost.reshard_time(value, srcs[k], dst_of(k))
+                unary[rp] += trips * np.array([self.reshard_time(value, srcs[k], dst_of(k))
                                                for k in range(kp)])
                 return
             dsts = [dst_of(k) for k in range(kn)]
