@@ -40,9 +40,13 @@ class IntraOptions:
     # instead of once per consumer. "partial": only for values their producer may leave
     # partial sums (XLA reduces such a value once; the small reductions of a softmax over a
     # split vocabulary otherwise cost a collective per reader: 1.3x the compiled comm time of
-    # Megatron's plan); "all": exact; "none". They grow the ILP: "partial" planned GPT-2 124M
-    # in 1.2x the time on 8 devices but 6x on 2x4, so "auto" is "partial" on meshes with one
-    # useful axis and "none" on the others.
+    # Megatron's plan); "layers": only for those of them made inside a named scope (a
+    # layer) and read outside every scope: the gradients the optimizer's update reads several
+    # times (global norm, moments), which a scan reduces once, into its stacked output (priced
+    # per reader, the unrolled model's ZeRO plans paid each all-reduce 2-3 times and lost to
+    # the scanned model's plan); "all": exact; "none". They grow the ILP: "partial" planned
+    # GPT-2 124M in 1.2x the time on 8 devices but 6x on 2x4, so "auto" is "partial" on
+    # meshes with one useful axis and "layers" on the others.
     fanouts: str = "auto"
     # Repeated layers (numbered scopes such as layer_3) share one choice per operator.
     tie_layers: bool = True
@@ -86,12 +90,13 @@ class Problem:
         self.source = dict(self.producer)
         self.fanout_of: list[int] = []
         fanouts = options.fanouts
-        if fanouts not in ("auto", "none", "partial", "all"):
-            raise ValueError(f"fanouts={fanouts!r}: use 'auto', 'none', 'partial' or 'all'")
+        if fanouts not in ("auto", "none", "layers", "partial", "all"):
+            raise ValueError(f"fanouts={fanouts!r}: use 'auto', 'none', 'layers', 'partial' or "
+                             "'all'")
         if fanouts == "auto":
-            fanouts = "partial" if len(mesh.useful_axes()) == 1 else "none"
+            fanouts = "partial" if len(mesh.useful_axes()) == 1 else "layers"
         if fanouts != "none":
-            self._add_fanouts(partial_only=fanouts == "partial")
+            self._add_fanouts(partial_only=fanouts != "all", across_layers=fanouts == "layers")
         self._node_times: dict[tuple[int, int], tuple[float, float]] = {}
         if options.merge_followers:
             self.groups = merge_followers(graph, self.strategies, self.source, self.node_cost)
@@ -106,17 +111,23 @@ class Problem:
         self.reps = sorted(set(self.rep.values()))
         self.index = {r: self.reps.index(self.rep[r]) for r in self.roots}
 
-    def _add_fanouts(self, partial_only: bool) -> None:
+    def _add_fanouts(self, partial_only: bool, across_layers: bool = False) -> None:
         """A value read by several consumers gets a fan-out member: the layout it is resharded
         to once (XLA reshards a value once for all consumers that want the same layout), from
-        which each consumer reads. Without it, every consumer would pay the same collective."""
+        which each consumer reads. Without it, every consumer would pay the same collective.
+        `across_layers`: only values read outside every named scope (by the optimizer's update)
+        as well as inside one."""
         g, n_in = self.graph, self.num_inputs
         readers: dict[int, list[ShardSpec]] = {}
+        outside: set[int] = set()
         for node in g.nodes:
             for i, v in enumerate(node.inputs):
                 if is_tensor(g.values[v]) and g.values[v].ndim > 0 and v in self.producer:
                     readers.setdefault(v, []).extend(
                         s.in_specs[i] for s in self.strategies[n_in + node.id])
+                    p = self.producer[v][0]
+                    if not node.name and p >= n_in and g.nodes[p - n_in].name:
+                        outside.add(v)
         for j, v in enumerate(g.outputs):
             tie = g.output_ties[j]
             if tie is not None and v in readers:
@@ -133,6 +144,8 @@ class Problem:
             p, out_idx = self.producer[v]
             made = {s.out_specs[out_idx] for s in self.strategies[p]}
             if partial_only and not any(s.partial for s in made):
+                continue
+            if across_layers and v not in outside:
                 continue
             specs = made | set(readers[v])
             ordered = sorted(specs, key=lambda s: (len(s.used_axes()), str(s)))
@@ -151,7 +164,8 @@ class Problem:
             names.append(name)
             for v in node.outputs:
                 of_value[v] = name
-        return names + [""] * len(self.fanout_of)
+        # a fan-out is named as its value's producer: repeated layers' fan-outs are tied too
+        return names + [names[self.producer[v][0]] for v in self.fanout_of]
 
     def _signature(self, m: int) -> tuple:
         g = self.graph
@@ -159,7 +173,9 @@ class Problem:
             v = g.values[g.inputs[m]]
             return ("input", v.shape, v.dtype)
         if m >= self.num_real:
-            return ("fanout", m)
+            v = self.fanout_of[m - self.num_real]
+            p, out_idx = self.producer[v]
+            return ("fanout", out_idx, g.values[v].shape, g.values[v].dtype, self._signature(p))
         node = g.nodes[m - self.num_inputs]
         return (node.primitive, tuple(g.values[v].shape for v in node.inputs),
                 tuple(g.values[v].shape for v in node.outputs))
