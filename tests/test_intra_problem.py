@@ -1,0 +1,105 @@
+"""The intra-op problem prices a scanned model as it prices the same model unrolled: values
+between loops resharded once, a scan's stacked values a layer at a time, and the gradients an
+optimizer reads several times reduced once (fan-outs)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from shardplan.cost.hardware import get_profile
+from shardplan.cost.model import AlphaBetaCost
+from shardplan.intra.problem import IntraOptions, Problem
+from shardplan.ir.lift import lift
+from shardplan.ir.trace import trace
+from shardplan.strategies.spec import MeshShape, ShardSpec
+
+MESH = MeshShape(("data", "model"), (2, 4))
+
+
+def _problem(graph, **options) -> Problem:
+    return Problem(graph, MESH, AlphaBetaCost(MESH, get_profile("cpu")), IntraOptions(**options))
+
+
+def _two_scans():
+    def f(xs):
+        _, ys = jax.lax.scan(lambda c, x: (c, x * 2.0), 0.0, xs)
+        _, zs = jax.lax.scan(lambda c, y: (c, jnp.sin(y)), 0.0, ys)
+        return zs
+
+    graph = lift(jax.make_jaxpr(f)(jnp.ones((4, 8, 16))))
+    stack = next(n for n in graph.nodes if n.primitive == "loop_stack")
+    read = next(n for n in graph.nodes if n.primitive == "loop_slice"
+                and n.inputs[0] == stack.outputs[0])
+    return graph, stack, read
+
+
+def test_a_stacked_value_passed_between_loops_is_resharded_once():
+    graph, stack, read = _two_scans()
+    problem = _problem(graph)
+    n_in = problem.num_inputs
+    assert problem.trips(n_in + stack.id) == problem.trips(n_in + read.id) == 4
+    assert problem.edge_trips(n_in + stack.id, n_in + read.id) == 1
+    body = next(n for n in graph.nodes if n.primitive == "sin")
+    assert problem.edge_trips(n_in + read.id, n_in + body.id) == 4
+
+
+def test_a_stacked_value_is_priced_as_its_layers_one_by_one():
+    graph, stack, _ = _two_scans()
+    problem = _problem(graph)
+    ys = graph.values[stack.outputs[0]]
+    one = graph.values[stack.inputs[0]]
+    assert problem.layers(ys) == 4 and problem.layers(one) == 1
+    src, dst = ShardSpec(((), ("data",), ())), ShardSpec.replicated(3)
+    one_src, one_dst = ShardSpec((("data",), ())), ShardSpec.replicated(2)
+    per_layer = problem.cost.reshard_time(one, one_src, one_dst)
+    assert per_layer > 0
+    # the same bytes as the whole stack, a latency per layer
+    assert problem.reshard_time(ys, src, dst) == pytest.approx(4 * per_layer)
+    assert problem.reshard_time(ys, src, dst) > problem.cost.reshard_time(ys, src, dst)
+    assert problem.reshard_time(one, one_src, one_dst) == per_layer
+
+
+def _layered_step(layers=4):
+    """A train step whose layers are named scopes and whose update reads each gradient three
+    times (a global norm, a moment, the update), as optax's do."""
+
+    def loss(params, x):
+        for i in range(layers):
+            with jax.named_scope(f"layer_{i}"):
+                x = jnp.tanh(x @ params[f"layer_{i}"])
+        return jnp.mean(x ** 2)
+
+    def step(params, mom, x):
+        grads = jax.grad(loss)(params, x)
+        norm = sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads))
+        mom = jax.tree.map(lambda m, g: 0.9 * m + g, mom, grads)
+        params = jax.tree.map(lambda p, g, m: p - 0.1 * (g + m) / norm, params, grads, mom)
+        return params, mom
+
+    params = {f"layer_{i}": jnp.ones((64, 64)) for i in range(layers)}
+    traced = trace(step, (params, params, jnp.ones((16, 64))))
+    return lift(traced.closed_jaxpr, traced.arg_info)
+
+
+def test_gradients_the_update_reads_several_times_get_one_fan_out_each():
+    graph = _layered_step()
+    assert _problem(graph, fanouts="none").fanout_of == []
+    problem = _problem(graph)  # auto: "layers" on a mesh of two axes
+    assert problem.fanout_of
+    producer = {v: graph.nodes[problem.producer[v][0] - problem.num_inputs]
+                for v in problem.fanout_of}
+    readers = {v: [n for n in graph.nodes if v in n.inputs] for v in problem.fanout_of}
+    for v in problem.fanout_of:
+        assert producer[v].name and len(readers[v]) >= 2
+        assert any(not n.name for n in readers[v])  # the update, outside every scope
+    # one per layer's weight gradient; the repeated layers' fan-outs tied with a period of 2
+    names = problem._names()
+    by_layer = {}
+    for f, v in enumerate(problem.fanout_of):
+        m = problem.num_real + f
+        layer = next(i for i in range(4) if f"layer_{i}" in names[m])
+        by_layer.setdefault(layer, []).append(problem.rep[m])
+    assert sorted(by_layer) == [0, 1, 2, 3]
+    assert by_layer[0] == by_layer[2] and by_layer[1] == by_layer[3]
+    assert by_layer[0] != by_layer[1]
+    assert len(_problem(graph, fanouts="partial").fanout_of) >= len(problem.fanout_of)
