@@ -3,6 +3,7 @@
     shardplan search configs/demo.yaml [--out DIR] [--verify] [--set model.size=gpt2-1.5b]
     shardplan bench configs/bench [--out DIR]
     shardplan show shardplan-out/plan.json
+    shardplan profile [--mesh 2x4] [--out my-cluster.yaml]
 
 Planning needs no devices. To compare the plan with the hand-written baselines fairly, both are
 compiled by XLA on CPU devices standing in for the cluster (as many as the mesh has, at most
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import time
@@ -25,11 +27,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import yaml
 
 import shardplan
 from shardplan import baselines as bl
-from shardplan import bench, report
-from shardplan.cli_render import Phases, consoles, print_bench, print_run, write_outputs
+from shardplan import bench, calibrate, report
+from shardplan.cli_render import (
+    Phases,
+    consoles,
+    print_bench,
+    print_profile,
+    print_run,
+    write_outputs,
+)
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError, load_config
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
@@ -328,6 +338,47 @@ def cmd_show(args) -> int:
     return EXIT_OK
 
 
+def _profile_mesh(spec: str | None, devices: int) -> jax.sharding.Mesh:
+    """The mesh to measure: `spec` as "2x4" (axes named by MeshShape's defaults), else one
+    axis per process boundary (hosts x devices) or one axis over every device."""
+    procs = jax.process_count()
+    if spec:
+        try:
+            shape = tuple(int(s) for s in spec.lower().split("x"))
+        except ValueError:
+            raise ConfigError(None, f"--mesh {spec!r}: give sizes joined by x, e.g. 2x4") from None
+        if len(shape) == 2 and shape[0] == procs > 1:
+            names = ("hosts", "devices")
+        else:
+            names = {1: ("devices",), 2: ("data", "model")}.get(
+                len(shape), tuple(f"axis{i}" for i in range(len(shape))))
+    elif procs > 1:
+        shape, names = (procs, devices // procs), ("hosts", "devices")
+    else:
+        shape, names = (devices,), ("devices",)
+    if math.prod(shape) != devices or min(shape) < 1:
+        raise ConfigError(None, f"--mesh {spec!r} has {math.prod(shape)} devices; "
+                          f"this machine runs {devices}")
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def cmd_profile(args) -> int:
+    if args.devices < 1:
+        raise ConfigError(None, f"--devices must be >= 1, got {args.devices}")
+    init_cpu_devices(args.devices)  # before the backend starts; ignored by GPU and TPU runs
+    devices = len(jax.devices())
+    mesh = _profile_mesh(args.mesh, devices)
+    out, err = consoles(args.quiet)
+    cal = calibrate.measure_profile(mesh, name=args.name, repeats=args.repeats,
+                                    progress=lambda m: err.print(f"[dim]{m}[/]"))
+    path = args.out or f"{cal.profile.name}.yaml"
+    with open(path, "w") as f:
+        yaml.safe_dump(cal.profile.to_dict(), f, sort_keys=False)
+    print_profile(cal, out)
+    out.print(f"wrote {path}: use it with hardware={path!r} or cluster.hardware: {path}")
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardplan", description="Auto-parallelization planner "
                                 "for JAX train steps.", epilog=EXIT_CODES,
@@ -355,6 +406,18 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("show", help="print a saved plan's summary")
     w.add_argument("plan", help="a plan.json written by shardplan search")
     w.set_defaults(func=cmd_show)
+    r = sub.add_parser("profile", help="measure this machine's devices and links; write a "
+                       "hardware profile YAML the planner loads")
+    r.add_argument("--mesh", help="mesh to measure the links of, e.g. 2x4 (default: hosts x "
+                   "devices across processes, else one axis over every device)")
+    r.add_argument("--devices", type=int, default=8,
+                   help="CPU devices to run when the backend is the CPU (default 8)")
+    r.add_argument("--name", help="the profile's name (default: <device kind>-measured)")
+    r.add_argument("--out", help="YAML file to write (default: <name>.yaml)")
+    r.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the "
+                   "fastest counts (default 3)")
+    r.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    r.set_defaults(func=cmd_profile)
     return p
 
 
