@@ -41,13 +41,16 @@ def pinned_inputs(traced: TracedStep, mesh_shape: MeshShape,
 def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
                options: SearchOptions, *, ilp_budget: float | None = None, device_mesh=None,
                device_order=None, start: float | None = None, deadline: Deadline | None = None,
-               donated: frozenset[int] | None = None) -> tuple[Plan, IntraPlan]:
+               donated: frozenset[int] | None = None,
+               fixed_inputs: dict[int, ShardSpec] | None = None) -> tuple[Plan, IntraPlan]:
     """The intra-op plan of the lifted step `graph` on `mesh_shape`, the ILP held to
-    `ilp_budget` (default the options' memory budget; the plan reports the options' budget)."""
+    `ilp_budget` (default the options' memory budget; the plan reports the options' budget).
+    `fixed_inputs` (flat input index -> spec) are pinned besides the hints' pins, which win."""
     start = time.perf_counter() if start is None else start
     cost = AlphaBetaCost(mesh_shape, hw, device_order)
     budget = options.memory_budget if ilp_budget is None else ilp_budget
-    fixed = pinned_inputs(traced, mesh_shape, options)
+    hinted = pinned_inputs(traced, mesh_shape, options)
+    fixed = {**(fixed_inputs or {}), **hinted}
     intra = plan_intra(graph, mesh_shape, cost, intra_options(options, budget, fixed,
                                                              deadline=deadline, donated=donated))
     ops = tuple(op_rows(graph, cost, intra))
@@ -58,7 +61,7 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
         constraints={v: intra.value_specs[v] for v in sorted(intra.constrained)},
         estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
         memory_budget=options.memory_budget, ops=ops,
-        search_s=time.perf_counter() - start, notes=intra.notes + _pinned_note(fixed, traced),
+        search_s=time.perf_counter() - start, notes=intra.notes + _pinned_note(hinted, traced),
         solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, "
                f"{intra.num_choices} choices",
         in_tree=traced.in_tree, out_tree=traced.out_tree, device_mesh=device_mesh)
