@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -44,9 +45,9 @@ from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError, load_conf
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.measure import compile_and_price as price_program
-from shardplan.measure import cpu_mesh, expert_plans, lower_plan
+from shardplan.measure import completer, cpu_mesh, expert_plans, lower_plan
 from shardplan.plan import PlanFileError, load_plan
-from shardplan.units import fmt_bytes
+from shardplan.units import Deadline, fmt_bytes
 from shardplan.workload import Workload, build_workload
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_TIMEOUT, EXIT_BENCH_FAILED = (
@@ -167,37 +168,45 @@ def _compile_plan(work: Workload, plan, mesh, hw, phases: Phases, notes: list[st
 
 def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: Phases,
                        notes: list[str]) -> dict[str, Any]:
-    """{baseline: its program priced, or why not} for the baselines that apply."""
-    if work.step is None:
-        return _compile_expert_plans(work, plan, mesh, hw, phases)
+    """{expert plan: its program priced, or why not}: data parallel, FSDP, Megatron / 2-D as
+    an expert writes them (shardplan.measure.expert_plans: the expert's input shardings, every
+    intermediate laid out by the ILP around them). The measured search compiled them already
+    (plan.candidates): those are reused; the others are written and compiled here."""
+    measured = {c.name: c for c in plan.candidates}
+    wanted = config.output.baselines
+    if wanted is None:
+        wanted = (list(bl.applicable_baselines(work.step, mesh)) if work.step is not None
+                  else None)
     results: dict[str, Any] = {}
-    for name in list(config.output.baselines or bl.applicable_baselines(work.step, mesh)):
-        with phases(f"compiling baseline {name}"):
-            try:
-                ins, outs = bl.baseline_shardings(name, work.step, mesh)
-                jitted = jax.jit(work.fn, in_shardings=ins, out_shardings=outs,
-                                 donate_argnums=tuple(work.state_argnums or ()))
-                _, results[name] = price_program(jitted.lower(*work.args), mesh, plan.mesh, hw,
-                                                 work.dtype)
-            except Exception as e:  # noqa: BLE001 - one failing baseline must not hide the others
-                results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    return results
-
-
-def _compile_expert_plans(work: Workload, plan, mesh, hw, phases: Phases) -> dict[str, Any]:
-    """The expert plans (shardplan.intra.experts) of a step that is no TrainStep, (fn, args)
-    from model.entry: state and batch as the tracer classifies them, compiled and priced."""
-    traced = trace(work.fn, work.args, work.state_argnums, work.batch_argnums)
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    results: dict[str, Any] = {}
-    for name, expert in expert_plans(graph, plan).items():
-        with phases(f"compiling expert plan {name}"):
-            try:
-                lowered = lower_plan(graph, traced, expert, mesh, traced.state_argnums)
-                _, results[name] = price_program(lowered, mesh, plan.mesh, hw, work.dtype)
-            except Exception as e:  # noqa: BLE001 - one failing plan must not hide the others
-                results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    return results
+    missing = [n for n in (wanted or ()) if n not in measured]
+    if wanted is None or missing:
+        traced = trace(work.fn, work.args, work.state_argnums, work.batch_argnums)
+        graph = lift(traced.closed_jaxpr, traced.arg_info)
+        options = dataclasses.replace(config.search_options(), measure=False)
+        complete = completer(graph, traced, plan.mesh, hw, options, Deadline(options.time_limit),
+                             device_mesh=mesh)
+        written = expert_plans(graph, plan, complete=complete)
+        if wanted is None:
+            wanted = list(written)
+        for name in wanted:
+            if name in measured:
+                continue
+            if name not in written:
+                results[name] = f"not an expert plan of this step on mesh {plan.mesh}"
+                continue
+            with phases(f"compiling expert plan {name}"):
+                try:
+                    lowered = lower_plan(graph, traced, written[name], mesh,
+                                         traced.state_argnums)
+                    _, results[name] = price_program(lowered, mesh, plan.mesh, hw, work.dtype)
+                except Exception as e:  # noqa: BLE001 - one failing plan must not hide others
+                    results[name] = (f"failed: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:120]}")
+    for name in wanted:
+        if name in measured:
+            c = measured[name]
+            results[name] = c.priced if c.priced is not None else f"failed: {c.error}"
+    return {name: results[name] for name in wanted}
 
 
 def compile_and_price(config: Config, work: Workload, plan, phases: Phases, notes: list[str],

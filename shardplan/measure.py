@@ -93,18 +93,21 @@ def expert_plans(graph: Graph, plan: Plan,
     """The expert plans for this step as Plans: their input specs (but the `pinned` inputs'
     specs, which hints fix), state outputs tied to their inputs.
 
-    As an expert writes them: with `complete` (the ILP with those inputs pinned, see
-    `completer`), every intermediate is laid out as the planner would under that choice of
-    inputs: FSDP gathers each weight where it is read and reduce-scatters its gradient, data
-    parallel keeps activations split on the batch, Megatron splits its activations with its
-    weights (and the vocabulary with the embedding). Without it, or when the completion
-    fails (time limit, memory), the inputs only, the other outputs replicated, XLA
-    propagating the rest."""
+    As an expert writes them: data parallel is its input shardings (XLA's propagation does
+    what the expert would: activations split on the batch, gradients all-reduced). A plan
+    that splits the state is more than its inputs: with `complete` (the ILP with those inputs
+    pinned, see `completer`) every intermediate is laid out as the planner would under them:
+    FSDP gathers each weight where it is read and reduce-scatters its gradient instead of
+    XLA carrying the weights' split into the activations, Megatron splits its activations
+    with its weights (and the vocabulary with the embedding). Without `complete`, or when
+    the completion fails (time limit, memory), the inputs only, the other outputs
+    replicated, XLA propagating the rest."""
     out = {}
     pinned = pinned or {}
     for name, fixed in experts.expert_inputs(graph, plan.mesh).items():
         inputs = tuple(pinned.get(i, fixed[i]) for i in range(len(graph.inputs)))
-        written = _complete(complete, dict(enumerate(inputs)))
+        splits = experts.splits_state(inputs, graph.input_roles)
+        written = _complete(complete if splits else None, dict(enumerate(inputs)))
         if written is not None:
             out[name] = dataclasses.replace(
                 written, notes=(), solver=f"{name} (the expert's input shardings"
@@ -252,7 +255,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),
                                model_estimate=best.plan.estimate,
                                notes=(*plan.notes, note), solver=solver,
-                               search_s=plan.search_s)
+                               search_s=plan.search_s, candidates=tuple(candidates))
     return kept, tuple(candidates)
 
 

@@ -113,6 +113,10 @@ class Plan:
     model_estimate: Estimate | None = None
     """The cost model's own estimate when `estimate` holds the compiled program's figures
     (measure=True, or the CLI once it compiled the plan); None when `estimate` is the model's."""
+    candidates: tuple = ()
+    """Every program the measured selection compiled and priced, or why it failed
+    (shardplan.measure.MeasuredProgram: name, plan, priced, error); in memory only, not in
+    plan files."""
 
     @property
     def estimate_source(self) -> str:

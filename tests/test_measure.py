@@ -71,10 +71,10 @@ def test_expert_plans_run_like_the_single_device_step(mesh2x4):
     want = jax.jit(model.fn)(*model.args)
     for name, expert in propagated.items():
         assert not expert.constraints and not expert.operand_specs, name
-        # as an expert writes it: the same inputs, every intermediate laid out
+        # as an expert writes it: the same inputs, every intermediate laid out where the
+        # state is split (data parallel is its inputs)
         assert written[name].input_specs == expert.input_specs, name
-        assert written[name].constraints, name
-        assert "the ILP lays out the rest" in written[name].solver
+        assert bool(written[name].constraints) == (name != "data_parallel"), name
         for p in (expert, written[name]):
             got = shardplan.auto(model.fn, mesh=mesh2x4, plan=p)(*model.args)
             assert_tree_close(got, want, rtol=2e-4, atol=2e-5)
