@@ -262,9 +262,18 @@ def run_search(config: Config, *, verify: bool = False, phases: Phases):
     return report.Run(
         label=work.label, description=config.description, hardware=hw.name,
         budget=config.budget_bytes(), plan=plan, num_params=work.num_params, dtype=work.dtype,
-        priced_plan=priced, baselines=baselines, meshes=tried, verification=verification,
+        priced_plan=priced, searched=_searched(plan, priced), baselines=baselines, meshes=tried,
+        verification=verification,
         search_s=search_s, compile_s=compile_s, schedule=config.search.schedule,
         num_micro_batches=config.search.num_micro_batches, notes=tuple(notes))
+
+
+def _searched(plan, priced):
+    """The searched plan alone, priced: the measured selection's "searched" candidate, else
+    the plan itself (nothing was measured: the plan is the searched one)."""
+    if not plan.candidates:
+        return priced
+    return next((c.priced for c in plan.candidates if c.name == "searched"), None)
 
 
 # -- commands -------------------------------------------------------------------------------

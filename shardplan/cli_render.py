@@ -131,10 +131,8 @@ def print_bench(rows: Sequence[bench.BenchRow], console) -> None:
     for r in rows:
         t.add_row(*(escape(c) for c in bench.bench_cells(r)))
     console.print(t)
-    ratios = [r.run.ratio() for r in rows if r.run is not None]
-    g = bench.geomean([x for x in ratios if x])
-    if g is not None:
-        console.print(f"geometric mean of plan / best baseline: {g:.3f}")
+    for line in bench.summary(rows):
+        console.print(line)
 
 
 def print_profile(cal, console) -> None:
