@@ -130,3 +130,25 @@ def _run_loop(graph: Graph, loop: Loop, env: dict, hooks: Hooks) -> None:
         if k < nc:
             x = hooks.operand(loop.leave[k], 0, x)
         env[r] = hooks.value(r, x)
+
+
+def eval_jaxpr(closed, args: Sequence, override: dict[int, Callable] | None = None) -> list:
+    """The outputs of a ClosedJaxpr on `args`, its top-level equations bound again; equation i
+    in `override` runs `override[i](eqn, inputs) -> outputs` instead (the SPMD pipeline's
+    rewrite of a scan over layers)."""
+    jaxpr, consts = _compat.open_jaxpr(closed)
+    env: dict = {}
+
+    def get(v):
+        return v.val if isinstance(v, _compat.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    override = override or {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [get(v) for v in eqn.invars]
+        outs = override[i](eqn, ins) if i in override else _compat.bind_eqn(eqn, ins)
+        for v, x in zip(eqn.outvars, outs):
+            if not _compat.is_drop_var(v):
+                env[v] = x
+    return [get(v) for v in jaxpr.outvars]

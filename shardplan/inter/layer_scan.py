@@ -1,0 +1,163 @@
+"""The scan over stacked layers in a loss function, the place an SPMD pipeline cuts.
+
+A model whose layers run as one `lax.scan` over parameters stacked on a leading layer
+dimension [L, ...] (flax `nn.scan`, MaxText's and praxis's layout) can be pipelined inside one
+program: the stacked parameters split [S, L/S, ...] over a stage axis, the scan's carry (the
+activation, batch first) cut into micro-batches. This module finds that scan in the loss's
+forward jaxpr, before differentiation, and says whether an SPMD pipeline of S stages and M
+micro-batches can run it and, if not, why (shardplan.search reports it; shardplan.emit.spmd
+rewrites the scan).
+
+The loss is traced twice: at full batch (the program the pipeline is spliced into) and with
+the batch cut to one micro-batch (whose scan body runs on a micro-batch: jaxprs are traced
+for fixed shapes). The batch is the non-differentiated arguments' leaves whose leading
+dimension is the carry's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardplan._compat import ClosedJaxpr
+
+STAGE_AXIS = "stage"
+"""The mesh axis an SPMD pipeline's stages lie along."""
+
+
+def pipeline_mesh_shape(names: Sequence[str], sizes: Sequence[int],
+                        num_stages: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The (axis names, sizes) an SPMD pipeline of `num_stages` stages runs on: the mesh's own
+    if it has a `stage` axis of that size, else its devices as (stage=S, data=N/S)."""
+    names, sizes = tuple(names), tuple(int(k) for k in sizes)
+    n = int(np.prod(sizes))
+    if STAGE_AXIS in names:
+        k = sizes[names.index(STAGE_AXIS)]
+        if k != num_stages:
+            raise ValueError(f"the mesh's {STAGE_AXIS!r} axis has {k} devices, but "
+                             f"{num_stages} pipeline stages were asked for")
+        return names, sizes
+    if n % num_stages:
+        raise ValueError(f"{num_stages} pipeline stages do not divide the mesh's {n} devices")
+    rest = n // num_stages
+    return ((STAGE_AXIS, "data"), (num_stages, rest)) if rest > 1 else ((STAGE_AXIS,),
+                                                                        (num_stages,))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerScan:
+    """One scan equation of a loss jaxpr: where it is and what it runs over."""
+
+    index: int
+    """Its position among the jaxpr's top-level equations."""
+    length: int
+    """Layers (iterations)."""
+    carry_shapes: tuple[tuple[int, ...], ...]
+    xs_shapes: tuple[tuple[int, ...], ...]
+    const_shapes: tuple[tuple[int, ...], ...]
+    num_ys: int
+    reverse: bool
+
+    @property
+    def batch(self) -> int | None:
+        """The carry's common leading dimension (the batch), or None."""
+        lead = {s[0] if s else None for s in self.carry_shapes}
+        return lead.pop() if len(lead) == 1 else None
+
+
+def find_layer_scan(closed: ClosedJaxpr) -> LayerScan | None:
+    """The top-level scan over the most stacked values (bytes of its xs), or None."""
+    best, best_size = None, 0
+    for i, eqn in enumerate(closed.jaxpr.eqns):
+        if eqn.primitive.name != "scan":
+            continue
+        p = eqn.params
+        nc, nk = p["num_consts"], p["num_carry"]
+        avals = [v.aval for v in eqn.invars]
+        xs = avals[nc + nk:]
+        size = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in xs)
+        if not xs or size <= best_size:
+            continue
+        best_size = size
+        best = LayerScan(i, int(p["length"]), tuple(tuple(a.shape) for a in avals[nc:nc + nk]),
+                         tuple(tuple(a.shape) for a in xs),
+                         tuple(tuple(a.shape) for a in avals[:nc]),
+                         len(eqn.outvars) - nk, bool(p["reverse"]))
+    return best
+
+
+def spmd_obstacle(scan: LayerScan | None, num_stages: int, num_micro_batches: int) -> str | None:
+    """Why an SPMD pipeline of `num_stages` stages and `num_micro_batches` micro-batches cannot
+    run this scan (None: it can)."""
+    if scan is None:
+        return "the loss runs no scan over stacked layers (lax.scan / flax nn.scan)"
+    S, M = num_stages, num_micro_batches
+    if scan.length % S:
+        return f"its scan runs {scan.length} layers, which {S} equal stages do not divide"
+    if scan.num_ys:
+        return "its scan over layers has per-layer outputs (ys), which a pipeline does not keep"
+    if scan.reverse:
+        return "its scan over layers runs in reverse"
+    if scan.batch is None or not scan.carry_shapes:
+        return (f"its scan's carry {list(scan.carry_shapes)} is not batch-first arrays of one "
+                "batch size")
+    if scan.batch % M:
+        return f"the batch of {scan.batch} does not divide into {M} micro-batches"
+    return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LossTrace:
+    """A loss function traced on flat arguments, at full batch and at one micro-batch."""
+
+    full: ClosedJaxpr
+    micro: ClosedJaxpr | None
+    out_tree: Any
+    scan: LayerScan | None
+    obstacle: str | None
+    micro_scan: LayerScan | None
+
+
+def trace_loss(fun: Callable, flat_args: Sequence, unflatten: Callable, diff: Sequence[int],
+               num_stages: int, num_micro_batches: int) -> LossTrace:
+    """Trace `fun(*unflatten(flat_args))` (the loss function's call, its arguments flat; the
+    positions `diff` differentiated) and find its scan over layers, at full batch and with the
+    batch cut to one micro-batch: the obstacle says why an SPMD pipeline cannot run it."""
+    def flat_fun(*flat):
+        args, kwargs = unflatten(list(flat))
+        return jax.tree_util.tree_leaves(fun(*args, **kwargs))
+
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(
+        lambda *f: fun(*unflatten(list(f))[0], **unflatten(list(f))[1]), *flat_args))
+    full = jax.make_jaxpr(flat_fun)(*flat_args)
+    scan = find_layer_scan(full)
+    obstacle = spmd_obstacle(scan, num_stages, num_micro_batches)
+    if obstacle is not None:
+        return LossTrace(full, None, out_tree, scan, obstacle, None)
+    B, M = scan.batch, num_micro_batches
+    diff = set(diff)
+    cut = [jax.ShapeDtypeStruct((B // M, *np.shape(x)[1:]), x.dtype)
+           if i not in diff and np.ndim(x) >= 1 and np.shape(x)[0] == B else x
+           for i, x in enumerate(flat_args)]
+    if all(c is x for c, x in zip(cut, flat_args)):
+        return LossTrace(full, None, out_tree, scan, f"no argument of the loss function has "
+                         f"the scan's batch of {B} rows first", None)
+    try:
+        micro = jax.make_jaxpr(flat_fun)(*cut)
+    except Exception as e:  # noqa: BLE001 (the reason is reported, the step runs unpipelined)
+        return LossTrace(full, None, out_tree, scan, f"the loss does not trace on one "
+                         f"micro-batch of {B // M} rows: {type(e).__name__}: {e}"[:300], None)
+    m = find_layer_scan(micro)
+    want = tuple((B // M, *s[1:]) for s in scan.carry_shapes)
+    if (m is None or m.index != scan.index or m.xs_shapes != scan.xs_shapes
+            or m.carry_shapes != want):
+        return LossTrace(full, micro, out_tree, scan, "on one micro-batch the loss runs a "
+                         "different scan over layers", m)
+    if m.const_shapes != scan.const_shapes:
+        return LossTrace(full, micro, out_tree, scan, "a batch-sized value enters the scan over "
+                         "layers as a constant (only the carry may hold the batch)", m)
+    return LossTrace(full, micro, out_tree, scan, None, m)
