@@ -140,10 +140,14 @@ def trace_loss(fun: Callable, flat_args: Sequence, unflatten: Callable, diff: Se
         return LossTrace(full, None, out_tree, scan, obstacle, None)
     B, M = scan.batch, num_micro_batches
     diff = set(diff)
-    cut = [jax.ShapeDtypeStruct((B // M, *np.shape(x)[1:]), x.dtype)
-           if i not in diff and np.ndim(x) >= 1 and np.shape(x)[0] == B else x
+    rows = {i for i, x in enumerate(flat_args)
+            if i not in diff and np.ndim(x) >= 1 and np.shape(x)[0] == B}
+    # fresh shapes without shardings: the body is re-bound inside shard_map, where the
+    # arguments' mesh (all axes auto) is not the body's (the stage axis manual)
+    cut = [jax.ShapeDtypeStruct((B // M, *np.shape(x)[1:]) if i in rows else np.shape(x),
+                                x.dtype)
            for i, x in enumerate(flat_args)]
-    if all(c is x for c, x in zip(cut, flat_args)):
+    if not rows:
         return LossTrace(full, None, out_tree, scan, f"no argument of the loss function has "
                          f"the scan's batch of {B} rows first", None)
     try:
