@@ -117,17 +117,9 @@ class PipelinedGrad:
 
     def value_and_grad(self, fun, argnums, has_aux, args, kwargs):
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        nums = tuple(a % len(args) for a in nums)
-        flat, tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-        counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
-        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-        diff = [i for a in nums for i in range(starts[a], starts[a + 1])]
-
-        def unflatten(leaves):
-            return jax.tree_util.tree_unflatten(tree, leaves)
-
-        lt = layer_scan.trace_loss(fun, flat, unflatten, diff, self.num_stages,
-                                   self.num_micro_batches)
+        flat, unflatten, diff = layer_scan.flat_call(args, kwargs, argnums)
+        lt = layer_scan.trace_loss(fun, flat, unflatten, diff,
+                                   lambda _: (self.num_stages, self.num_micro_batches))
         if lt.obstacle is not None:
             raise ValueError(f"SPMD pipeline: {lt.obstacle}; plan with pipeline=False")
         micro_eqn = lt.micro.jaxpr.eqns[lt.micro_scan.index]
@@ -144,7 +136,8 @@ class PipelinedGrad:
             out = jax.tree_util.tree_unflatten(lt.out_tree, outs)
             return (out[0], out[1]) if has_aux else out
 
-        value, grads = jax.value_and_grad(loss, has_aux=has_aux)(tuple(args[a] for a in nums))
+        diff_args = tuple(args[a % len(args)] for a in nums)
+        value, grads = jax.value_and_grad(loss, has_aux=has_aux)(diff_args)
         return value, (grads[0] if isinstance(argnums, int) else grads)
 
     def stage_boundary(self, x):

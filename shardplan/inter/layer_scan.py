@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from shardplan._compat import ClosedJaxpr
+from shardplan.grad import intercepting
 
 STAGE_AXIS = "stage"
 """The mesh axis an SPMD pipeline's stages lie along."""
@@ -43,9 +44,7 @@ def pipeline_mesh_shape(names: Sequence[str], sizes: Sequence[int],
         return names, sizes
     if n % num_stages:
         raise ValueError(f"{num_stages} pipeline stages do not divide the mesh's {n} devices")
-    rest = n // num_stages
-    return ((STAGE_AXIS, "data"), (num_stages, rest)) if rest > 1 else ((STAGE_AXIS,),
-                                                                        (num_stages,))
+    return (STAGE_AXIS, "data"), (num_stages, n // num_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,25 +119,47 @@ class LossTrace:
     scan: LayerScan | None
     obstacle: str | None
     micro_scan: LayerScan | None
+    num_stages: int = 1
+    num_micro_batches: int = 1
+
+
+def flat_call(args: Sequence, kwargs: dict, argnums) -> tuple[list, Callable, list[int]]:
+    """A gradient call's arguments flat: (leaves, leaves -> (args, kwargs), the positions of
+    the differentiated leaves)."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    nums = [a % len(args) for a in nums]  # in the order the gradients come back
+    flat, tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+    counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    diff = [i for a in nums for i in range(starts[a], starts[a + 1])]
+    return flat, lambda leaves: jax.tree_util.tree_unflatten(tree, list(leaves)), diff
 
 
 def trace_loss(fun: Callable, flat_args: Sequence, unflatten: Callable, diff: Sequence[int],
-               num_stages: int, num_micro_batches: int) -> LossTrace:
+               pick: Callable[[LayerScan], tuple[int, int]]) -> LossTrace:
     """Trace `fun(*unflatten(flat_args))` (the loss function's call, its arguments flat; the
     positions `diff` differentiated) and find its scan over layers, at full batch and with the
-    batch cut to one micro-batch: the obstacle says why an SPMD pipeline cannot run it."""
+    batch cut to one micro-batch; `pick(scan)` gives (stages, micro-batches) or raises
+    ValueError. The obstacle says why an SPMD pipeline cannot run it."""
     def flat_fun(*flat):
-        args, kwargs = unflatten(list(flat))
+        args, kwargs = unflatten(flat)
         return jax.tree_util.tree_leaves(fun(*args, **kwargs))
 
-    out_tree = jax.tree_util.tree_structure(jax.eval_shape(
-        lambda *f: fun(*unflatten(list(f))[0], **unflatten(list(f))[1]), *flat_args))
+    def call(*flat):
+        args, kwargs = unflatten(flat)
+        return fun(*args, **kwargs)
+
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(call, *flat_args))
     full = jax.make_jaxpr(flat_fun)(*flat_args)
     scan = find_layer_scan(full)
-    obstacle = spmd_obstacle(scan, num_stages, num_micro_batches)
+    try:
+        S, M = pick(scan) if scan is not None else (1, 1)
+    except ValueError as e:
+        return LossTrace(full, None, out_tree, scan, str(e), None)
+    obstacle = spmd_obstacle(scan, S, M)
     if obstacle is not None:
-        return LossTrace(full, None, out_tree, scan, obstacle, None)
-    B, M = scan.batch, num_micro_batches
+        return LossTrace(full, None, out_tree, scan, obstacle, None, S, M)
+    B = scan.batch
     diff = set(diff)
     rows = {i for i, x in enumerate(flat_args)
             if i not in diff and np.ndim(x) >= 1 and np.shape(x)[0] == B}
@@ -149,19 +170,57 @@ def trace_loss(fun: Callable, flat_args: Sequence, unflatten: Callable, diff: Se
            for i, x in enumerate(flat_args)]
     if not rows:
         return LossTrace(full, None, out_tree, scan, f"no argument of the loss function has "
-                         f"the scan's batch of {B} rows first", None)
+                         f"the scan's batch of {B} rows first", None, S, M)
     try:
         micro = jax.make_jaxpr(flat_fun)(*cut)
     except Exception as e:  # noqa: BLE001 (the reason is reported, the step runs unpipelined)
         return LossTrace(full, None, out_tree, scan, f"the loss does not trace on one "
-                         f"micro-batch of {B // M} rows: {type(e).__name__}: {e}"[:300], None)
+                         f"micro-batch of {B // M} rows: {type(e).__name__}: {e}"[:300], None,
+                         S, M)
     m = find_layer_scan(micro)
     want = tuple((B // M, *s[1:]) for s in scan.carry_shapes)
+    obstacle = None
     if (m is None or m.index != scan.index or m.xs_shapes != scan.xs_shapes
             or m.carry_shapes != want):
-        return LossTrace(full, micro, out_tree, scan, "on one micro-batch the loss runs a "
-                         "different scan over layers", m)
-    if m.const_shapes != scan.const_shapes:
-        return LossTrace(full, micro, out_tree, scan, "a batch-sized value enters the scan over "
-                         "layers as a constant (only the carry may hold the batch)", m)
-    return LossTrace(full, micro, out_tree, scan, None, m)
+        obstacle = "on one micro-batch the loss runs a different scan over layers"
+    elif m.const_shapes != scan.const_shapes:
+        obstacle = ("a batch-sized value enters the scan over layers as a constant (only the "
+                    "carry may hold the batch)")
+    return LossTrace(full, micro, out_tree, scan, obstacle, m, S, M)
+
+
+class _Probed(Exception):
+    """Raised inside the probe's trace once the loss function has been looked at."""
+
+
+@dataclasses.dataclass
+class _Probe:
+    """Interceptor (shardplan.grad) that traces the loss function at the gradient call, keeps
+    what it found and stops the step's trace. Mutable within one trace only."""
+
+    pick: Callable[[LayerScan], tuple[int, int]]
+    found: LossTrace | None = None
+
+    def value_and_grad(self, fun, argnums, has_aux, args, kwargs):
+        flat, unflatten, diff = flat_call(args, kwargs, argnums)
+        self.found = trace_loss(fun, flat, unflatten, diff, self.pick)
+        raise _Probed()
+
+    def stage_boundary(self, x):
+        return x
+
+
+def probe_step(fn: Callable, args: Sequence,
+               pick: Callable[[LayerScan], tuple[int, int]]) -> LossTrace | str:
+    """The loss trace of the step `fn(*args)` (arrays or ShapeDtypeStructs) at its
+    shardplan.value_and_grad call, or why there is none."""
+    probe = _Probe(pick)
+    with intercepting(probe):
+        try:
+            jax.eval_shape(fn, *args)
+        except _Probed:
+            pass
+    if probe.found is None:
+        return ("the step takes no gradient with shardplan.value_and_grad / shardplan.grad "
+                "(the loss function, where the layers run, cannot be found)")
+    return probe.found
