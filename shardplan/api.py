@@ -20,12 +20,13 @@ from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.emit.jit import emit_jit
+from shardplan.emit import spmd as spmd_mod
 from shardplan.emit.pipeline import emit_pipeline
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.plan import Plan, fingerprint, load_plan
-from shardplan.search import choose
+from shardplan.search import Choice, choose, plan_spmd
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
@@ -172,12 +173,27 @@ class AutoStep:
         traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
         fp = fingerprint(traced.in_tree, traced.closed_jaxpr, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
-        if o.pipeline is True and distributed.is_multi_controller():
-            distributed.refuse_mpmd_pipeline()
+        multi = distributed.is_multi_controller()
+        if self._given_plan is None and multi and o.pipeline in (True, "spmd", "mpmd"):
+            # Only the SPMD pipeline runs multi-controller: process 0 plans it, all check it.
+            if o.pipeline == "mpmd":
+                distributed.refuse_mpmd_pipeline()
+            step_fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o)
+
+            def obtain_spmd():
+                spmd = plan_spmd(self.fn, args, mesh, hw, o, traced)
+                if not isinstance(spmd, Choice):
+                    distributed.refuse_mpmd_pipeline(spmd)
+                return spmd.plan
+
+            plan = distributed.plan_once(step_fp, obtain_spmd)
+            plan = dataclasses.replace(plan, in_tree=traced.in_tree, out_tree=traced.out_tree)
+            return self._emit_spmd(plan, fp)
         # Multi-controller, pipeline="auto" plans one program: MPMD stages cannot run there.
-        if (self._given_plan is None and o.pipeline is not False
-                and not distributed.is_multi_controller()):
+        if self._given_plan is None and o.pipeline is not False and not multi:
             choice = choose(self.fn, args, mesh, hw, o, traced=traced)
+            if choice.pipelined and choice.plan.pipeline_kind == "spmd":
+                return self._emit_spmd(choice.plan, fp)
             if choice.pipelined:
                 pp = choice.pipeline
                 plan = dataclasses.replace(choice.plan, fingerprint=fp)
@@ -207,6 +223,15 @@ class AutoStep:
                                            plan.operand_specs, self.donate_argnums)
         return plan, jitted, tuple(in_shardings)
 
+    def _emit_spmd(self, plan: Plan, fp) -> tuple[Plan, Any, Any]:
+        """An SPMD pipeline plan emitted as one jit on the pipeline's mesh (shardplan.emit.spmd)."""
+        pmesh = spmd_mod.pipeline_mesh(self.mesh, len(plan.stages))
+        plan = dataclasses.replace(plan, device_mesh=pmesh, fingerprint=fp)
+        in_shardings = plan.in_shardings
+        jitted = spmd_mod.emit_spmd(self.fn, pmesh, len(plan.stages), plan.num_micro_batches,
+                                    in_shardings, plan.out_shardings, self.donate_argnums)
+        return plan, jitted, in_shardings
+
     def __call__(self, *args, **kwargs):
         args = self._positional(args, kwargs)
         _, run, in_shardings = self._entry(args)
@@ -221,7 +246,7 @@ class AutoStep:
         """jax.stages.Lowered of the planned step; args may be arrays or ShapeDtypeStructs."""
         args = self._positional(args, kwargs)
         plan, jitted, _ = self._entry(args)
-        if plan.stages:
+        if plan.stages and plan.pipeline_kind != "spmd":
             raise ValueError("this step runs as a pipeline of several programs (one per stage), "
                              "not one: call it, or use .plan(); pass pipeline=False to get one "
                              "program to lower")

@@ -31,8 +31,9 @@ MPMD_REFUSAL = (
     "transfer arrays to devices another process owns (cross-host transfers between different "
     "device sets exist only in the TFRT TPU runtime). Use the SPMD pipeline instead: the stage "
     "axis as a mesh axis of one program (shard_map, ppermute between stages), which runs "
-    "multi-host like any jit program; or pass pipeline=False for an intra-operator plan over "
-    "the whole mesh.")
+    "multi-host like any jit program (pipeline=True or 'spmd' where the loss runs its layers "
+    "as one scan over stacked parameters{why}); or pass pipeline=False for an intra-operator "
+    "plan over the whole mesh.")
 
 
 class PlanMismatchError(RuntimeError):
@@ -63,10 +64,12 @@ def default_mesh():
                              axis_types=(auto, auto))
 
 
-def refuse_mpmd_pipeline() -> None:
-    """Raise if this is a multi-controller run: the MPMD pipeline runtime cannot run there."""
+def refuse_mpmd_pipeline(why: str | None = None) -> None:
+    """Raise if this is a multi-controller run: the MPMD pipeline runtime cannot run there.
+    `why`: why the SPMD pipeline does not apply to this step."""
     if is_multi_controller():
-        raise NotImplementedError(MPMD_REFUSAL.format(n=jax.process_count()))
+        why = f"; it does not apply to this step: {why}" if why else ""
+        raise NotImplementedError(MPMD_REFUSAL.format(n=jax.process_count(), why=why))
 
 
 # -- one plan for every process ------------------------------------------------------------------

@@ -215,11 +215,16 @@ def probe_step(fn: Callable, args: Sequence,
     """The loss trace of the step `fn(*args)` (arrays or ShapeDtypeStructs) at its
     shardplan.value_and_grad call, or why there is none."""
     probe = _Probe(pick)
-    with intercepting(probe):
-        try:
-            jax.eval_shape(fn, *args)
-        except _Probed:
-            pass
+
+    def run(*a):
+        with intercepting(probe):  # inside the traced function: jax's trace caches skip it
+            try:
+                fn(*a)
+            except _Probed:
+                pass
+        return 0
+
+    jax.make_jaxpr(run)(*args)
     if probe.found is None:
         return ("the step takes no gradient with shardplan.value_and_grad / shardplan.grad "
                 "(the loss function, where the layers run, cannot be found)")
