@@ -107,7 +107,9 @@ def check_program(auto_step, args, plan):
     assert frozenset((s + 1, s) for s in range(S - 1)) in directions, directions
     ops = [c for c in hlo_collectives.parse_collectives(text, 8)
            if c.kind == "collective-permute"]
-    assert sorted(c.count for c in ops) == [M + S - 1] * 2, [(c.count, c.shapes) for c in ops]
+    # (others, run once, are the intra-op plan's resharding outside the pipeline)
+    ticks = [c for c in ops if c.in_loop]
+    assert [c.count for c in ticks] == [M + S - 1] * 2, [(c.count, c.shapes) for c in ops]
     return text
 
 
