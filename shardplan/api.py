@@ -26,7 +26,7 @@ from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.plan import Plan, fingerprint, load_plan
-from shardplan.search import Choice, choose, plan_spmd
+from shardplan.search import Choice, choose, plan_spmd, probe_spmd
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
@@ -178,6 +178,9 @@ class AutoStep:
             # Only the SPMD pipeline runs multi-controller: process 0 plans it, all check it.
             if o.pipeline == "mpmd":
                 distributed.refuse_mpmd_pipeline()
+            why = probe_spmd(self.fn, args, mesh, o)  # in every process: tracing only
+            if isinstance(why, str):
+                distributed.refuse_mpmd_pipeline(why)
             step_fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o)
 
             def obtain_spmd():

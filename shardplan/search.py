@@ -224,17 +224,18 @@ def default_micro_batches(batch: int, num_stages: int) -> int:
     return next((m for m in range(2 * num_stages, batch + 1) if batch % m == 0), batch)
 
 
-def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: SearchOptions,
-              traced: TracedStep) -> Choice | str:
-    """The SPMD pipeline of the step (shardplan.emit.spmd) where its loss runs its layers as
-    one scan over stacked parameters, or why not. Stages split the scan's layers equally along
-    the mesh's `stage` axis; the step's intra-op plan on one stage's devices (the other axes)
-    lays out every input, the stacked parameters (and what has their shape: the optimizer's
-    moments) split over the stages on their layer dimension."""
-    shape = MeshShape.of(mesh) if not isinstance(mesh, (MeshShape, int)) else (
-        mesh if isinstance(mesh, MeshShape) else MeshShape(("devices",), (int(mesh),)))
-    n = shape.num_devices
-    names = tuple(shape.names)
+def _shape_of(mesh) -> MeshShape:
+    if isinstance(mesh, MeshShape):
+        return mesh
+    return MeshShape(("devices",), (int(mesh),)) if isinstance(mesh, int) else MeshShape.of(mesh)
+
+
+def probe_spmd(fn, args: Sequence, mesh, options: SearchOptions) -> layer_scan.LossTrace | str:
+    """The step's loss traced for an SPMD pipeline on `mesh` (stages: options.num_stages, the
+    mesh's `stage` axis, or gcd(layers, devices); micro-batches: options.num_micro_batches or
+    default_micro_batches), or why it cannot be one. Traces only: every process may ask."""
+    shape = _shape_of(mesh)
+    n, names = shape.num_devices, tuple(shape.names)
 
     def pick(scan):
         S = options.num_stages or (shape.sizes[names.index(layer_scan.STAGE_AXIS)]
@@ -246,15 +247,28 @@ def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: Sear
         return S, M
 
     lt = layer_scan.probe_step(fn, args, pick)
-    if isinstance(lt, str):
-        return lt
-    if lt.obstacle is not None:
-        return lt.obstacle
-    S, M, L = lt.num_stages, lt.num_micro_batches, lt.scan.length
+    if isinstance(lt, str) or lt.obstacle is not None:
+        return lt if isinstance(lt, str) else lt.obstacle
     try:
-        p_names, p_sizes = layer_scan.pipeline_mesh_shape(shape.names, shape.sizes, S)
+        layer_scan.pipeline_mesh_shape(shape.names, shape.sizes, lt.num_stages)
     except ValueError as e:
         return str(e)
+    return lt
+
+
+def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: SearchOptions,
+              traced: TracedStep) -> Choice | str:
+    """The SPMD pipeline of the step (shardplan.emit.spmd) where its loss runs its layers as
+    one scan over stacked parameters, or why not. Stages split the scan's layers equally along
+    the mesh's `stage` axis; the step's intra-op plan on one stage's devices (the other axes)
+    lays out every input, the stacked parameters (and what has their shape: the optimizer's
+    moments) split over the stages on their layer dimension."""
+    shape = _shape_of(mesh)
+    lt = probe_spmd(fn, args, mesh, options)
+    if isinstance(lt, str):
+        return lt
+    S, M, L = lt.num_stages, lt.num_micro_batches, lt.scan.length
+    p_names, p_sizes = layer_scan.pipeline_mesh_shape(shape.names, shape.sizes, S)
     rest = [(a, k) for a, k in zip(p_names, p_sizes) if a != layer_scan.STAGE_AXIS]
     if not rest:
         return (f"the mesh has only the {layer_scan.STAGE_AXIS!r} axis: give it a second axis "
