@@ -113,8 +113,8 @@ def _options(options: SearchOptions | None, search_options: dict) -> SearchOptio
 
 
 class AutoStep:
-    """A train step planned on first call for each input signature, then run as one jit (or as
-    a pipeline of programs, one per stage)."""
+    """A train step planned on first call for each input signature, then run as one jit (an
+    SPMD pipeline too), or as an MPMD pipeline of programs, one per stage."""
 
     def __init__(self, fn, mesh=None, options: SearchOptions = DEFAULTS,
                  plan: Plan | None = None, hardware: str | HardwareProfile | None = None,
@@ -343,9 +343,12 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
         memory_budget (bytes per device, an int or a string like "16GiB"), state_argnums,
         batch_argnums, time_limit, solver_seed, workers, measure (also compile the searched
         plan and the expert plans with XLA on the mesh, price each with `hardware` and keep
-        the cheapest that fits), pipeline (False: one program; True: pipeline stages on
-        submeshes; "auto": stages only where the cost model says they pay; pipelines need
-        the step's gradient taken with shardplan.value_and_grad / shardplan.grad),
+        the cheapest that fits), pipeline (False: one program; True: pipeline stages, as
+        an SPMD pipeline (one program, stages along a `stage` mesh axis) where the loss
+        runs its layers as one scan over stacked parameters, else MPMD stages on
+        submeshes; "spmd" / "mpmd": that kind only; "auto": MPMD stages only where the
+        cost model says they pay; pipelines need the step's gradient taken with
+        shardplan.value_and_grad / shardplan.grad; see docs/concepts.md#pipelines),
         num_micro_batches, num_stages, num_layers, schedule ("1f1b" or "gpipe"), hints
         (shardings to pin, the planner choosing the rest: a dict {path pattern:
         PartitionSpec} such as {"2/**": P("data")}, or a shardplan.Hints with
