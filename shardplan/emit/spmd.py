@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplan import _compat
+from shardplan.emit import spmd_1f1b
 from shardplan.grad import intercepting
 from shardplan.inter import layer_scan
 from shardplan.ir import interpret
@@ -57,16 +58,7 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
     nc, nk = p["num_consts"], p["num_carry"]
     consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + nk]), list(ins[nc + nk:])
     B = carry[0].shape[0]
-    body = micro_eqn.params["jaxpr"]
-
-    def layers(consts, carry, xs):
-        """The scan's own body over this stage's L/S layers (traced again, not re-bound: the
-        body's types must say which values vary over the stage axis)."""
-        def one(c, x):
-            outs = interpret.eval_jaxpr(body, [*consts, *c, *x])
-            return outs[:nk], None
-
-        return jax.lax.scan(one, carry, xs, length=L // S, unroll=micro_eqn.params["unroll"])[0]
+    layers = layer_scan.stage_layers(micro_eqn, L // S)
 
     carry_m = [c.reshape(M, B // M, *c.shape[1:]) for c in carry]
     xs_s = [x.reshape(S, L // S, *x.shape[1:]) for x in xs]
@@ -114,6 +106,7 @@ class PipelinedGrad:
     mesh: Mesh
     num_stages: int
     num_micro_batches: int
+    schedule: str = "gpipe"
 
     def value_and_grad(self, fun, argnums, has_aux, args, kwargs):
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
@@ -122,6 +115,14 @@ class PipelinedGrad:
                                    lambda _: (self.num_stages, self.num_micro_batches))
         if lt.obstacle is not None:
             raise ValueError(f"SPMD pipeline: {lt.obstacle}; plan with pipeline=False")
+        diff_tree = jax.tree_util.tree_structure(tuple(args[a % len(args)] for a in nums))
+        if self.schedule == "1f1b":
+            loss, grads = spmd_1f1b.pipelined_loss_and_grad(
+                lt, flat, diff, self.mesh, self.num_stages, self.num_micro_batches)
+            out = jax.tree_util.tree_unflatten(lt.out_tree, [loss])
+            grads = jax.tree_util.tree_unflatten(diff_tree, grads)
+            return ((out[0], out[1]) if has_aux else out,
+                    grads[0] if isinstance(argnums, int) else grads)
         micro_eqn = lt.micro.jaxpr.eqns[lt.micro_scan.index]
 
         def rewrite(eqn, ins):
@@ -145,10 +146,10 @@ class PipelinedGrad:
 
 
 def emit_spmd(fn, mesh: Mesh, num_stages: int, num_micro_batches: int, in_shardings,
-              out_shardings=None, donate_argnums=()):
+              out_shardings=None, donate_argnums=(), schedule: str = "gpipe"):
     """The step `fn` as one jax.jit whose shardplan.value_and_grad call runs an SPMD pipeline
-    on `mesh` (which has the stage axis)."""
-    interceptor = PipelinedGrad(mesh, num_stages, num_micro_batches)
+    on `mesh` (which has the stage axis), GPipe or 1F1B (shardplan.emit.spmd_1f1b)."""
+    interceptor = PipelinedGrad(mesh, num_stages, num_micro_batches, schedule)
 
     def step(*args):
         with intercepting(interceptor):

@@ -25,6 +25,7 @@ import numpy as np
 
 from shardplan._compat import ClosedJaxpr
 from shardplan.grad import intercepting
+from shardplan.ir import interpret
 
 STAGE_AXIS = "stage"
 """The mesh axis an SPMD pipeline's stages lie along."""
@@ -229,3 +230,20 @@ def probe_step(fn: Callable, args: Sequence,
         return ("the step takes no gradient with shardplan.value_and_grad / shardplan.grad "
                 "(the loss function, where the layers run, cannot be found)")
     return probe.found
+
+
+def stage_layers(micro_eqn, num_layers: int):
+    """layers(consts, carry, xs) -> carry: the scan's own body over `num_layers` layers (one
+    stage's), traced again rather than re-bound: inside shard_map the body's types must say
+    which values vary over the stage axis."""
+    body, nk = micro_eqn.params["jaxpr"], micro_eqn.params["num_carry"]
+
+    def layers(consts, carry, xs):
+        def one(c, x):
+            outs = interpret.eval_jaxpr(body, [*consts, *c, *x])
+            return outs[:nk], None
+
+        return list(jax.lax.scan(one, list(carry), list(xs), length=num_layers,
+                                 unroll=micro_eqn.params["unroll"])[0])
+
+    return layers
