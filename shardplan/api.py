@@ -232,7 +232,8 @@ class AutoStep:
         plan = dataclasses.replace(plan, device_mesh=pmesh, fingerprint=fp)
         in_shardings = plan.in_shardings
         jitted = spmd_mod.emit_spmd(self.fn, pmesh, len(plan.stages), plan.num_micro_batches,
-                                    in_shardings, plan.out_shardings, self.donate_argnums)
+                                    in_shardings, plan.out_shardings, self.donate_argnums,
+                                    plan.schedule)
         return plan, jitted, in_shardings
 
     def __call__(self, *args, **kwargs):

@@ -19,6 +19,7 @@ from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.inter import layer_scan
+from shardplan.inter import schedule as schedule_mod
 from shardplan.inter import split as split_mod
 from shardplan.inter import stages as stages_mod
 from shardplan.inter.planner import PipelinePlan, plan_pipeline
@@ -283,8 +284,12 @@ def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: Sear
         ins.append(spec)
     ties = traced.arg_info.ties
     outs = tuple(ins[t] if t is not None else o for t, o in zip(ties, intra.output_specs))
-    bubble = (S - 1) / (M + S - 1)
-    scale = (M + S - 1) / (M * S)
+    sched = options.schedule
+    bubble = schedule_mod.bubble_fraction(S, M, sched, "spmd")
+    ticks = M + S - 1 if sched == "gpipe" else M + 2 * S - 2
+    # GPipe: M+S-1 ticks forward and as many backward; 1F1B: M+2S-2 ticks of a forward and a
+    # backward that recomputes the forward (B = 2F: 4/3 of a forward and backward)
+    scale = ticks / (M * S) * (1.0 if sched == "gpipe" else 4.0 / 3.0)
     e = intra.estimate
     est = dataclasses.replace(e, compute_s=e.compute_s * scale, comm_s=e.comm_s * scale,
                               bubble_fraction=bubble)
@@ -292,21 +297,24 @@ def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: Sear
     ids = _stage_devices(mesh, shape, p_names, p_sizes)
     stages = tuple(Stage((s * L // S, (s + 1) * L // S - 1), sub.sizes, ids[s], per)
                    for s in range(S))
-    sched = "" if options.schedule == "gpipe" else (
-        f" (schedule={options.schedule!r} asked for: SPMD pipelines run GPipe)")
+    how = (f"GPipe: {M} micro-batches, {ticks} ticks forward and as many backward (JAX's "
+           f"autodiff through the loop), bubble (S-1)/(M+S-1) = {S - 1}/{ticks} = {bubble:.1%}"
+           if sched == "gpipe" else
+           f"1F1B: {M} micro-batches, one loop of {ticks} ticks, each stage running a forward "
+           f"and a backward (jax.vjp, its forward recomputed from the kept input) of different "
+           f"micro-batches per tick, at most {min(M, 2 * S - 1)} inputs kept per stage; bubble "
+           f"(2S-2)/(M+2S-2) = {2 * S - 2}/{ticks} = {bubble:.1%}")
     notes = (f"pipeline={options.pipeline!r}: SPMD pipeline: the loss runs its {L} layers as "
              f"one scan over stacked parameters, so {S} equal stages of {L // S} layers run in "
              f"one program (shard_map over {layer_scan.STAGE_AXIS!r}, ppermute between stages; "
-             f"embedding, head and update outside it on every device)",
-             f"GPipe{sched}: {M} micro-batches, {M + S - 1} ticks forward and as many backward, "
-             f"bubble (S-1)/(M+S-1) = {S - 1}/{M + S - 1} = {bubble:.1%}",
+             f"embedding, head and update outside it on every device)", how,
              f"estimate: the step's intra-op plan on one stage's {sub.num_devices} devices "
-             f"({' x '.join(f'{a}={k}' for a, k in rest)}), its time scaled by "
-             f"(M+S-1)/(M*S) = {scale:.3f}; memory as that plan's (not divided by the stages)")
+             f"({' x '.join(f'{a}={k}' for a, k in rest)}), its time scaled by the schedule "
+             f"({scale:.3f}); memory as that plan's (not divided by the stages)")
     plan = dataclasses.replace(
         intra, mesh=MeshShape(p_names, p_sizes), input_specs=tuple(ins), output_specs=outs,
         constraints={}, operand_specs={}, estimate=est, stages=stages, notes=notes,
-        num_micro_batches=M, schedule="gpipe", pipeline_kind="spmd", ops=(),
+        num_micro_batches=M, schedule=sched, pipeline_kind="spmd", ops=(),
         memory_budget=options.memory_budget)
     return Choice(True, plan, None, intra, "\n".join(notes))
 

@@ -96,9 +96,15 @@ def permutes(text: str) -> list[list[tuple[int, int]]]:
     return out
 
 
+TICKS = {"gpipe": M + S - 1, "1f1b": M + 2 * S - 2}
+BUBBLE = {"gpipe": ("bubble: 24 of 88 stage-ticks idle = 27.3%", "3/11", 3 / 11),
+          "1f1b": ("bubble: 48 of 112 stage-slots idle = 42.9%", "6/14", 6 / 14)}
+
+
 def check_program(auto_step, args, plan):
-    """The compiled program passes activations stage s -> s + 1 (forward) and s + 1 -> s
-    (backward), each M + S - 1 times (the ticks of the schedule)."""
+    """The compiled program passes activations stage s -> s + 1 (forward) and cotangents
+    s + 1 -> s (backward), each once per tick of the schedule: GPipe M + S - 1 ticks forward
+    then as many backward (two loops), 1F1B M + 2S - 2 ticks of one loop doing both."""
     text = auto_step.lower(*args).compile().as_text()
     stage_of = {d: s for s, st in enumerate(plan.stages) for d in st.devices}
     directions = {frozenset((stage_of[a], stage_of[b]) for a, b in pairs)
@@ -109,27 +115,29 @@ def check_program(auto_step, args, plan):
            if c.kind == "collective-permute"]
     # (others, run once, are the intra-op plan's resharding outside the pipeline)
     ticks = [c for c in ops if c.in_loop]
-    assert [c.count for c in ticks] == [M + S - 1] * 2, [(c.count, c.shapes) for c in ops]
+    want = TICKS[plan.schedule]
+    assert [c.count for c in ticks] == [want] * 2, [(c.count, c.shapes) for c in ops]
     return text
 
 
-def check_plan(plan):
-    assert plan.pipeline_kind == "spmd" and plan.schedule == "gpipe"
+def check_plan(plan, schedule):
+    assert plan.pipeline_kind == "spmd" and plan.schedule == schedule
     assert len(plan.stages) == S and plan.num_micro_batches == M
     assert [st.layers for st in plan.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert any("SPMD pipeline" in n for n in plan.notes), plan.notes
-    assert plan.estimate.bubble_fraction == pytest.approx((S - 1) / (M + S - 1))
+    idle, ratio, fraction = BUBBLE[schedule]
+    assert plan.estimate.bubble_fraction == pytest.approx(fraction)
     timeline = plan.timeline()
-    assert "bubble: 24 of 88 stage-ticks idle = 27.3%" in timeline, timeline
-    assert "3/11" in timeline
+    assert idle in timeline and ratio in timeline, timeline
 
 
-def test_scanned_mlp_spmd_pipeline_equals_the_single_device_step():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_scanned_mlp_spmd_pipeline_equals_the_single_device_step(schedule):
     step, args = scanned_mlp()
     auto = shardplan.auto(step, mesh=stage_mesh(), hardware="cpu", pipeline=True,
-                          num_micro_batches=M, cache=False)
+                          num_micro_batches=M, schedule=schedule, cache=False)
     plan = auto.plan(*args)
-    check_plan(plan)
+    check_plan(plan, schedule)
     # the stacked layers (and their momentum) are split over the stages on dim 0
     specs = plan.in_specs
     assert specs["[0]['layers']['kernel']"][0] == "stage", specs
@@ -140,12 +148,13 @@ def test_scanned_mlp_spmd_pipeline_equals_the_single_device_step():
 
 
 @pytest.mark.slow
-def test_scanned_gpt_spmd_pipeline_equals_the_single_device_step():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_scanned_gpt_spmd_pipeline_equals_the_single_device_step(schedule):
     step, args = scanned_gpt()
     auto = shardplan.auto(step, mesh=stage_mesh(), hardware="cpu", pipeline="spmd",
-                          num_micro_batches=M, cache=False)
+                          num_micro_batches=M, schedule=schedule, cache=False)
     plan = auto.plan(*args)
-    check_plan(plan)
+    check_plan(plan, schedule)
     check_three_steps(step, args, auto, rtol=2e-5, atol=5e-6)
     check_program(auto, args, plan)
 
@@ -153,7 +162,7 @@ def test_scanned_gpt_spmd_pipeline_equals_the_single_device_step():
 def test_a_mesh_without_a_stage_axis_is_laid_out_stage_by_data(mesh8):
     step, args = scanned_mlp()
     auto = shardplan.auto(step, mesh=mesh8, hardware="cpu", pipeline=True, num_stages=S,
-                          num_micro_batches=M, cache=False)
+                          num_micro_batches=M, schedule="gpipe", cache=False)
     plan = auto.plan(*args)
     assert dict(zip(plan.mesh.names, plan.mesh.sizes)) == {"stage": S, "data": 2}
     assert [st.devices for st in plan.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -185,9 +194,10 @@ def test_obstacles_name_what_does_not_divide():
     assert "no gradient with shardplan.value_and_grad" in plain
 
 
-def test_the_default_schedule_request_is_reported_as_gpipe():
+def test_defaults_1f1b_with_two_micro_batches_per_stage():
     step, args = scanned_mlp()
     plan = shardplan.auto(step, mesh=stage_mesh(), hardware="cpu", pipeline=True,
                           cache=False).plan(*args)
     assert plan.num_micro_batches == M  # the fewest >= 2 per stage that divide 16
-    assert any("schedule='1f1b' asked for: SPMD pipelines run GPipe" in n for n in plan.notes)
+    assert plan.schedule == "1f1b"
+    assert any(n.startswith("1F1B: 8 micro-batches, one loop of 14 ticks") for n in plan.notes)
