@@ -4,7 +4,7 @@
 
 Joins a 2 x 4 CPU-device jax.distributed job over gloo; on one (stage=4, data=2) mesh spanning
 both processes (stages 0-1 on process 0, 2-3 on process 1) runs a scanned 8-layer MLP's step
-as an SPMD pipeline (pipeline=True: 4 stages, 8 micro-batches), inputs built from this
+as an SPMD pipeline (pipeline=True: 4 stages, 8 micro-batches, GPipe then 1F1B), inputs from this
 process's rows with shardplan.global_args, 3 steps against the single-device step; records
 the plan, the compiled program's collective-permutes, and the refusal of pipeline="mpmd".
 """
@@ -90,6 +90,39 @@ def permute_stages(text, mesh):
     return out
 
 
+def run(shardplan, hlo_collectives, mesh, devices, me, step_fn, schedule, want, want_losses):
+    """3 pipelined steps with `schedule`, from process-local rows: what this process saw."""
+    out = {}
+    step = shardplan.auto(step_fn, mesh=mesh, hardware="cpu", pipeline=True,
+                          num_micro_batches=8, schedule=schedule, time_limit=10.0)
+    params, losses, plan = initial_params(), [], None
+    rows = slice(me * ROWS, (me + 1) * ROWS)
+    for i in range(3):
+        x, y = global_batch(i)
+        args = shardplan.global_args(step, params, x[rows], y[rows])
+        if plan is None:
+            plan = step.plan(*args)
+            out["plan_fingerprint"] = shardplan.fingerprint.plan_fingerprint(plan)
+            out["pipeline_kind"], out["schedule"] = plan.pipeline_kind, plan.schedule
+            ids = [d.id for d in devices]
+            out["stage_processes"] = [sorted({devices[ids.index(i)].process_index
+                                              for i in st.devices}) for st in plan.stages]
+            out["timeline"] = plan.timeline()
+            text = step.lower(*args).compile().as_text()
+            out["permutes"] = permute_stages(text, mesh)
+            out["loop_permute_counts"] = [
+                c.count for c in hlo_collectives.parse_collectives(text, 8)
+                if c.kind == "collective-permute" and c.in_loop]
+        params, loss = step(*args)
+        losses.append(float(np.asarray(multihost_utils.process_allgather(loss, tiled=True))))
+    got = jax.tree.map(lambda w: np.asarray(multihost_utils.process_allgather(w, tiled=True)),
+                       params)
+    out["max_param_error"] = max(float(np.max(np.abs(g - w))) for g, w in
+                                 zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    out["losses"], out["reference_losses"] = losses, want_losses
+    return out
+
+
 def main(port, me, path):
     faulthandler.dump_traceback_later(float(os.environ.get("WORKER_STACKS_AFTER_S", "100")))
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NUM_PROCESSES,
@@ -104,35 +137,13 @@ def main(port, me, path):
         mesh = jax.sharding.Mesh(np.asarray(devices).reshape(4, 2), ("stage", "data"),
                                  axis_types=(jax.sharding.AxisType.Auto,) * 2)
         step_fn = make_step(shardplan)
-        step = shardplan.auto(step_fn, mesh=mesh, hardware="cpu", pipeline=True,
-                              num_micro_batches=8, time_limit=10.0)
-        params, losses, plan = initial_params(), [], None
-        rows = slice(me * ROWS, (me + 1) * ROWS)
-        for i in range(3):
-            x, y = global_batch(i)
-            args = shardplan.global_args(step, params, x[rows], y[rows])
-            if plan is None:
-                plan = step.plan(*args)
-                out["plan_fingerprint"] = shardplan.fingerprint.plan_fingerprint(plan)
-                out["pipeline_kind"] = plan.pipeline_kind
-                out["stage_devices"] = [list(st.devices) for st in plan.stages]
-                out["stage_processes"] = [sorted({devices[[d.id for d in devices].index(i)]
-                                                  .process_index for i in st.devices})
-                                          for st in plan.stages]
-                out["timeline"] = plan.timeline()
-                text = step.lower(*args).compile().as_text()
-                out["permutes"] = permute_stages(text, mesh)
-                out["loop_permute_counts"] = [
-                    c.count for c in hlo_collectives.parse_collectives(text, 8)
-                    if c.kind == "collective-permute" and c.in_loop]
-            params, loss = step(*args)
-            losses.append(float(np.asarray(multihost_utils.process_allgather(loss, tiled=True))))
-        got = jax.tree.map(lambda w: np.asarray(multihost_utils.process_allgather(w, tiled=True)),
-                           params)
         want, want_losses = reference(step_fn, 3)
-        out["max_param_error"] = max(float(np.max(np.abs(g - w))) for g, w in
-                                     zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-        out["losses"], out["reference_losses"] = losses, want_losses
+        for schedule in ("gpipe", "1f1b"):
+            out[schedule] = run(shardplan, hlo_collectives, mesh, devices, me, step_fn,
+                                schedule, want, want_losses)
+        x, y = global_batch(0)
+        rows = slice(me * ROWS, (me + 1) * ROWS)
+        args = (initial_params(), x[rows], y[rows])
         try:
             shardplan.auto(step_fn, mesh=mesh, pipeline="mpmd")(*args)
             out["mpmd_error"] = None

@@ -16,25 +16,33 @@ def results(tmp_path_factory):
     return launch(WORKER, tmp_path_factory.mktemp("multihost_spmd"))
 
 
+TICKS = {"gpipe": [11, 11], "1f1b": [14, 14]}  # GPipe M+S-1 each way; 1F1B one loop M+2S-2
+RATIO = {"gpipe": "(S-1)/(M+S-1) = 3/11", "1f1b": "(2S-2)/(M+2S-2) = 6/14"}
+
+
 @pytest.mark.multiprocess
-def test_spmd_pipeline_across_two_processes_equals_one_device(results):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_spmd_pipeline_across_two_processes_equals_one_device(results, schedule):
     for out in results:
         assert out["devices"] == 8
-        assert out["pipeline_kind"] == "spmd"
-        assert out["max_param_error"] < 1e-5, out
-        assert out["losses"] == pytest.approx(out["reference_losses"], rel=1e-5)
+        run = out[schedule]
+        assert run["pipeline_kind"] == "spmd" and run["schedule"] == schedule
+        assert run["max_param_error"] < 1e-5, run
+        assert run["losses"] == pytest.approx(run["reference_losses"], rel=1e-5)
         # stages 0-1 on process 0, 2-3 on process 1: the activations cross hosts
-        assert out["stage_processes"] == [[0], [0], [1], [1]]
-        assert "(S-1)/(M+S-1) = 3/11" in out["timeline"]
-    assert results[0]["plan_fingerprint"] == results[1]["plan_fingerprint"]
+        assert run["stage_processes"] == [[0], [0], [1], [1]]
+        assert RATIO[schedule] in run["timeline"]
+    assert results[0][schedule]["plan_fingerprint"] == results[1][schedule]["plan_fingerprint"]
 
 
 @pytest.mark.multiprocess
-def test_the_program_runs_the_schedule_s_collective_permutes(results):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_program_runs_the_schedule_s_collective_permutes(results, schedule):
     for out in results:
-        assert out["loop_permute_counts"] == [11, 11]  # M + S - 1 ticks, forward and backward
-        assert [[0, 1], [1, 2], [2, 3]] in out["permutes"]
-        assert [[1, 0], [2, 1], [3, 2]] in out["permutes"]
+        run = out[schedule]
+        assert run["loop_permute_counts"] == TICKS[schedule]
+        assert [[0, 1], [1, 2], [2, 3]] in run["permutes"]
+        assert [[1, 0], [2, 1], [3, 2]] in run["permutes"]
 
 
 @pytest.mark.multiprocess
