@@ -19,14 +19,14 @@ from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
 from shardplan.cost.hardware import HardwareProfile, get_profile
-from shardplan.emit.jit import emit_jit
 from shardplan.emit import spmd as spmd_mod
+from shardplan.emit.jit import emit_jit
 from shardplan.emit.pipeline import emit_pipeline
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.plan import Plan, fingerprint, load_plan
-from shardplan.search import Choice, choose, plan_spmd, probe_spmd
+from shardplan.search import choose
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
@@ -176,22 +176,8 @@ class AutoStep:
         multi = distributed.is_multi_controller()
         if self._given_plan is None and multi and o.pipeline in (True, "spmd", "mpmd"):
             # Only the SPMD pipeline runs multi-controller: process 0 plans it, all check it.
-            if o.pipeline == "mpmd":
-                distributed.refuse_mpmd_pipeline()
-            why = probe_spmd(self.fn, args, mesh, o)  # in every process: tracing only
-            if isinstance(why, str):
-                distributed.refuse_mpmd_pipeline(why)
-            step_fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o)
-
-            def obtain_spmd():
-                spmd = plan_spmd(self.fn, args, mesh, hw, o, traced)
-                if not isinstance(spmd, Choice):
-                    distributed.refuse_mpmd_pipeline(spmd)
-                return spmd.plan
-
-            plan = distributed.plan_once(step_fp, obtain_spmd)
-            plan = dataclasses.replace(plan, in_tree=traced.in_tree, out_tree=traced.out_tree)
-            return self._emit_spmd(plan, fp)
+            return self._emit_spmd(distributed.plan_spmd_once(self.fn, args, mesh, hw, o,
+                                                              traced), fp)
         # Multi-controller, pipeline="auto" plans one program: MPMD stages cannot run there.
         if self._given_plan is None and o.pipeline is not False and not multi:
             choice = choose(self.fn, args, mesh, hw, o, traced=traced)

@@ -304,13 +304,14 @@ def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: Sear
            f"and a backward (jax.vjp, its forward recomputed from the kept input) of different "
            f"micro-batches per tick, at most {min(M, 2 * S - 1)} inputs kept per stage; bubble "
            f"(2S-2)/(M+2S-2) = {2 * S - 2}/{ticks} = {bubble:.1%}")
-    notes = (f"pipeline={options.pipeline!r}: SPMD pipeline: the loss runs its {L} layers as "
-             f"one scan over stacked parameters, so {S} equal stages of {L // S} layers run in "
-             f"one program (shard_map over {layer_scan.STAGE_AXIS!r}, ppermute between stages; "
-             f"embedding, head and update outside it on every device)", how,
-             f"estimate: the step's intra-op plan on one stage's {sub.num_devices} devices "
-             f"({' x '.join(f'{a}={k}' for a, k in rest)}), its time scaled by the schedule "
-             f"({scale:.3f}); memory as that plan's (not divided by the stages)")
+    why = (f"pipeline={options.pipeline!r}: SPMD pipeline: the loss runs its {L} layers as "
+           f"one scan over stacked parameters, so {S} equal stages of {L // S} layers run in "
+           f"one program (shard_map over {layer_scan.STAGE_AXIS!r}, ppermute between stages; "
+           f"embedding, head and update outside it on every device)")
+    estimate = (f"estimate: the step's intra-op plan on one stage's {sub.num_devices} devices "
+                f"({' x '.join(f'{a}={k}' for a, k in rest)}), its time scaled by the "
+                f"schedule ({scale:.3f}); memory as that plan's (not divided by the stages)")
+    notes = (why, how, estimate)
     plan = dataclasses.replace(
         intra, mesh=MeshShape(p_names, p_sizes), input_specs=tuple(ins), output_specs=outs,
         constraints={}, operand_specs={}, estimate=est, stages=stages, notes=notes,

@@ -1,4 +1,5 @@
-"""The SPMD pipeline: a scan over stacked layers run as a GPipe pipeline inside ONE jit program.
+"""The SPMD pipeline: a scan over stacked layers run as a pipeline inside ONE jit program (GPipe
+here; 1F1B in shardplan.emit.spmd_1f1b).
 
 Where the rewrite hooks in: `shardplan.value_and_grad` (the step's gradient call). While the
 planned step is traced, a `PipelinedGrad` interceptor (shardplan.grad.intercepting) receives
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardplan import _compat
@@ -157,8 +158,3 @@ def emit_spmd(fn, mesh: Mesh, num_stages: int, num_micro_batches: int, in_shardi
 
     return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
                    donate_argnums=donate_argnums)
-
-
-def sharding_tree(mesh: Mesh, specs, tree):
-    """A pytree of NamedShardings on `mesh` from flat PartitionSpecs."""
-    return jax.tree_util.tree_unflatten(tree, [NamedSharding(mesh, s) for s in specs])

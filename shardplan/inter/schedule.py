@@ -105,10 +105,10 @@ def tick_grid(num_stages: int, num_micro_batches: int, schedule: str,
                for s in range(S)]
         return [f + b for f, b in zip(fwd, bwd)]
     rows = simulate(S, M, schedule, [1.0] * S, [1.0] * S)
-    end = int(round(max(r[4] for r in rows)))
+    end = round(max(r[4] for r in rows))
     grid = [[""] * end for _ in range(S)]
     for s, k, m, start, _ in rows:
-        grid[s][int(round(start))] = f"{k}{m}"
+        grid[s][round(start)] = f"{k}{m}"
     return grid
 
 
