@@ -194,10 +194,14 @@ def test_obstacles_name_what_does_not_divide():
     assert "no gradient with shardplan.value_and_grad" in plain
 
 
-def test_defaults_1f1b_with_two_micro_batches_per_stage():
+def test_defaults_1f1b_with_two_micro_batches_per_stage(tmp_path):
     step, args = scanned_mlp()
     plan = shardplan.auto(step, mesh=stage_mesh(), hardware="cpu", pipeline=True,
                           cache=False).plan(*args)
+    plan.save(tmp_path / "plan.json")
+    again = shardplan.load_plan(tmp_path / "plan.json")
+    assert again.pipeline_kind == "spmd" and again.in_specs == plan.in_specs
+    assert again.timeline() == plan.timeline()
     assert plan.num_micro_batches == M  # the fewest >= 2 per stage that divide 16
     assert plan.schedule == "1f1b"
     assert any(n.startswith("1F1B: 8 micro-batches, one loop of 14 ticks") for n in plan.notes)
