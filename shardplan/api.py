@@ -19,6 +19,7 @@ from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
 from shardplan.cost.hardware import HardwareProfile, get_profile
+from shardplan.emit import spmd as spmd_mod
 from shardplan.emit.jit import emit_jit
 from shardplan.emit.pipeline import emit_pipeline
 from shardplan.ir.lift import lift
@@ -112,8 +113,8 @@ def _options(options: SearchOptions | None, search_options: dict) -> SearchOptio
 
 
 class AutoStep:
-    """A train step planned on first call for each input signature, then run as one jit (or as
-    a pipeline of programs, one per stage)."""
+    """A train step planned on first call for each input signature, then run as one jit (an
+    SPMD pipeline too), or as an MPMD pipeline of programs, one per stage."""
 
     def __init__(self, fn, mesh=None, options: SearchOptions = DEFAULTS,
                  plan: Plan | None = None, hardware: str | HardwareProfile | None = None,
@@ -172,12 +173,16 @@ class AutoStep:
         traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
         fp = fingerprint(traced.in_tree, traced.closed_jaxpr, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
-        if o.pipeline is True and distributed.is_multi_controller():
-            distributed.refuse_mpmd_pipeline()
+        multi = distributed.is_multi_controller()
+        if self._given_plan is None and multi and o.pipeline in (True, "spmd", "mpmd"):
+            # Only the SPMD pipeline runs multi-controller: process 0 plans it, all check it.
+            return self._emit_spmd(distributed.plan_spmd_once(self.fn, args, mesh, hw, o,
+                                                              traced), fp)
         # Multi-controller, pipeline="auto" plans one program: MPMD stages cannot run there.
-        if (self._given_plan is None and o.pipeline is not False
-                and not distributed.is_multi_controller()):
+        if self._given_plan is None and o.pipeline is not False and not multi:
             choice = choose(self.fn, args, mesh, hw, o, traced=traced)
+            if choice.pipelined and choice.plan.pipeline_kind == "spmd":
+                return self._emit_spmd(choice.plan, fp)
             if choice.pipelined:
                 pp = choice.pipeline
                 plan = dataclasses.replace(choice.plan, fingerprint=fp)
@@ -207,6 +212,16 @@ class AutoStep:
                                            plan.operand_specs, self.donate_argnums)
         return plan, jitted, tuple(in_shardings)
 
+    def _emit_spmd(self, plan: Plan, fp) -> tuple[Plan, Any, Any]:
+        """An SPMD pipeline plan emitted as one jit on the pipeline's mesh (shardplan.emit.spmd)."""
+        pmesh = spmd_mod.pipeline_mesh(self.mesh, len(plan.stages))
+        plan = dataclasses.replace(plan, device_mesh=pmesh, fingerprint=fp)
+        in_shardings = plan.in_shardings
+        jitted = spmd_mod.emit_spmd(self.fn, pmesh, len(plan.stages), plan.num_micro_batches,
+                                    in_shardings, plan.out_shardings, self.donate_argnums,
+                                    plan.schedule)
+        return plan, jitted, in_shardings
+
     def __call__(self, *args, **kwargs):
         args = self._positional(args, kwargs)
         _, run, in_shardings = self._entry(args)
@@ -221,7 +236,7 @@ class AutoStep:
         """jax.stages.Lowered of the planned step; args may be arrays or ShapeDtypeStructs."""
         args = self._positional(args, kwargs)
         plan, jitted, _ = self._entry(args)
-        if plan.stages:
+        if plan.stages and plan.pipeline_kind != "spmd":
             raise ValueError("this step runs as a pipeline of several programs (one per stage), "
                              "not one: call it, or use .plan(); pass pipeline=False to get one "
                              "program to lower")
@@ -315,9 +330,12 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
         memory_budget (bytes per device, an int or a string like "16GiB"), state_argnums,
         batch_argnums, time_limit, solver_seed, workers, measure (also compile the searched
         plan and the expert plans with XLA on the mesh, price each with `hardware` and keep
-        the cheapest that fits), pipeline (False: one program; True: pipeline stages on
-        submeshes; "auto": stages only where the cost model says they pay; pipelines need
-        the step's gradient taken with shardplan.value_and_grad / shardplan.grad),
+        the cheapest that fits), pipeline (False: one program; True: pipeline stages, as
+        an SPMD pipeline (one program, stages along a `stage` mesh axis) where the loss
+        runs its layers as one scan over stacked parameters, else MPMD stages on
+        submeshes; "spmd" / "mpmd": that kind only; "auto": MPMD stages only where the
+        cost model says they pay; pipelines need the step's gradient taken with
+        shardplan.value_and_grad / shardplan.grad; see docs/concepts.md#pipelines),
         num_micro_batches, num_stages, num_layers, schedule ("1f1b" or "gpipe"), hints
         (shardings to pin, the planner choosing the rest: a dict {path pattern:
         PartitionSpec} such as {"2/**": P("data")}, or a shardplan.Hints with
