@@ -1,6 +1,6 @@
 """SearchOptions: every option of a search, with its default, in one frozen value.
 
-api.auto / api.search, the CLI and the YAML config build one and pass it down; the planners
+api.auto / cluster.search, the CLI and the YAML config build one and pass it down; the planners
 read it (shardplan.search turns it into the intra-op planner's IntraOptions).
 """
 

@@ -3,7 +3,7 @@ intra-op ILP); `choose` also plans a pipeline (shardplan.inter) and keeps the ch
 by shardplan.api, shardplan.measure and the CLI; nothing here compiles or runs a program.
 
 Import names from this module (`from shardplan.search import plan_step`): the attribute
-`shardplan.search` is the public function shardplan.api.search."""
+`shardplan.search` is the public function shardplan.cluster.search."""
 
 from __future__ import annotations
 
@@ -35,6 +35,20 @@ from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.plan import OpRow, Plan
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import Deadline, fmt_seconds
+
+
+def mesh_shapes(n: int, names: Sequence[str] | None = None
+                ) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """(axis names, sizes) of every 1-D and 2-D factorisation of n devices (axes of size 1
+    left out), 1-D first: what `mesh_shape="auto"` plans. `names`: at most two axis names
+    (a 1-D mesh takes the last); default devices / (data, model)."""
+    shapes = [(n,)] + [(a, n // a) for a in range(2, n) if n % a == 0]
+    out = []
+    for sizes in shapes:
+        default = ("devices",) if len(sizes) == 1 else ("data", "model")
+        given = tuple(names[-len(sizes):]) if names and len(names) >= len(sizes) else None
+        out.append((given or default, sizes))
+    return out
 
 
 def pinned_inputs(traced: TracedStep, mesh_shape: MeshShape,
