@@ -117,6 +117,12 @@ class Plan:
     model_estimate: Estimate | None = None
     """The cost model's own estimate when `estimate` holds the compiled program's figures
     (measure=True, or the CLI once it compiled the plan); None when `estimate` is the model's."""
+    stage_in_shardings: tuple | None = None
+    """An MPMD pipeline emitted on devices: every input's NamedSharding (flat, in leaf order)
+    on the submesh of the stage that holds it (where the runtime moves nothing); in memory
+    only, not in plan files."""
+    stage_out_shardings: tuple | None = None
+    """Likewise the outputs: the state on its stage's submesh, the loss replicated."""
     candidates: tuple = ()
     """Every program the measured selection compiled and priced, or why it failed
     (shardplan.measure.MeasuredProgram: name, plan, priced, error); in memory only, not in
@@ -135,10 +141,15 @@ class Plan:
 
     # -- shardings -------------------------------------------------------------------------
 
-    def _shardings(self, specs, tree):
+    def _shardings(self, specs, tree, stage_shardings=None):
         if self.stages and self.pipeline_kind != "spmd":
-            raise ValueError("an MPMD pipelined plan has no single mesh: each stage's inputs live on "
-                             "its own submesh (see plan.stages); use plan.in_specs for the specs")
+            if stage_shardings is None:
+                raise ValueError(
+                    "this MPMD pipelined plan has no device shardings: each stage's inputs live "
+                    "on its own submesh, known once the step is emitted on devices; take the "
+                    "plan from the step (step.plan(*args)) or use plan.in_specs for the specs")
+            leaves = list(stage_shardings)
+            return jax.tree_util.tree_unflatten(tree, leaves) if tree is not None else leaves
         if self.device_mesh is None:
             raise ValueError("this plan has no device mesh (it was planned with shardplan.search "
                              "or loaded from a file): use plan.in_specs / plan.out_specs, or "
@@ -148,12 +159,15 @@ class Plan:
 
     @property
     def in_shardings(self):
-        """Pytree of NamedSharding for the step's arguments (as a tuple of arguments)."""
-        return tuple(self._shardings(self.input_specs, self.in_tree))
+        """Pytree of NamedSharding for the step's arguments (as a tuple of arguments). An MPMD
+        pipeline's: each input on the submesh of the stage that holds it (its parameters and
+        optimizer state on their stage, the batch on the first stage that reads it), the
+        layout the runtime takes without moving anything (shardplan.global_args builds it)."""
+        return tuple(self._shardings(self.input_specs, self.in_tree, self.stage_in_shardings))
 
     @property
     def out_shardings(self):
-        return self._shardings(self.output_specs, self.out_tree)
+        return self._shardings(self.output_specs, self.out_tree, self.stage_out_shardings)
 
     @property
     def in_specs(self) -> dict[str, Any]:
