@@ -109,6 +109,46 @@ def run(shardplan, mesh, me, step_fn, num_stages, schedule, want, want_losses):
     return out
 
 
+def check_moves(me):
+    """shardplan.emit.transfer on its own: values moved between submeshes of the two
+    processes (and one spanning both), across layouts and mesh shapes; per move, the largest
+    error in the destination shards this process holds (None: it holds none) and the
+    transfer program used."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardplan.emit import transfer
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    auto = (jax.sharding.AxisType.Auto,) * 2
+
+    def mesh(idx, shape):
+        return Mesh(np.asarray([devices[i] for i in idx]).reshape(shape), ("host", "device"),
+                    axis_types=auto)
+
+    value = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+    cases = {  # name: (source mesh, source spec, destination mesh, destination spec, value)
+        "same shape, other spec": (mesh([0, 1], (1, 2)), P("device"), mesh([4, 5], (1, 2)),
+                                   P(None, "device"), value),
+        "other shape": (mesh([0, 1], (1, 2)), P(None, "device"), mesh([4, 5, 6, 7], (2, 2)),
+                        P("host", "device"), value),
+        "booleans, back": (mesh([6, 7], (2, 1)), P("host"), mesh([2, 3], (1, 2)),
+                           P("device"), value > 10),
+        "source on both processes": (mesh([0, 1, 4, 5], (2, 2)), P("host", "device"),
+                                     mesh([2, 3], (1, 2)), P(None, "device"), value),
+    }
+    out = {}
+    for name, (src, sspec, dst, dspec, v) in cases.items():
+        mover = transfer.Mover()
+        x = transfer.from_host(v, NamedSharding(src, sspec))
+        y = mover.move(x, x.sharding, NamedSharding(dst, dspec), v.shape, v.dtype)
+        errs = [float(np.max(np.abs(np.asarray(s.data, np.float32) - v[s.index])))
+                for s in y.addressable_shards]
+        out[name] = {"error": max(errs) if errs else None,
+                     "programs": sorted({k[0] for k in mover._programs})}
+    return out
+
+
 def main(port, me, path):
     faulthandler.dump_traceback_later(float(os.environ.get("WORKER_STACKS_AFTER_S", "100")))
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NUM_PROCESSES,
@@ -122,6 +162,7 @@ def main(port, me, path):
                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
         step_fn = make_step(shardplan)
         want, want_losses = reference(step_fn, 3)
+        out["moves"] = check_moves(me)
         for num_stages, schedule in RUNS:
             print(f"run {num_stages} {schedule}", flush=True)
             out[f"{num_stages}-{schedule}"] = run(shardplan, mesh, me, step_fn, num_stages,
