@@ -353,7 +353,9 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
 
     Under jax.distributed (several processes), process 0 plans (or loads the cached plan) and
     broadcasts it, and every process checks that all run the same plan before the first step
-    (shardplan.distributed); build the inputs with shardplan.global_args.
+    (shardplan.distributed); build the inputs with shardplan.global_args. An MPMD pipeline is
+    planned by every process and compared; each process runs its own stages' programs, and
+    values cross processes in collective programs (docs/multihost.md#mpmd-pipelines).
     """
     if fn is not None:
         _check_fn(fn, "shardplan.auto")
