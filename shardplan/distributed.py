@@ -144,6 +144,8 @@ def plan_once(step_fingerprint: str, obtain: Callable[[], Plan], *,
             else "error:" + fp_mod.digest(repr(error)))
     hashes = _allgather_text(mine)
     if len(set(hashes)) == 1:
+        if error is not None:
+            raise error  # every process failed alike (each planned itself)
         return plan
     # Slow path, only on a mismatch: every process gathers every plan to name the difference.
     texts = _allgather_text(_plan_json(plan) if error is None else _error_json(error))
