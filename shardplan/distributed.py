@@ -26,6 +26,7 @@ from shardplan.ir.trace import trace
 from shardplan.plan import Plan
 from shardplan.search import choose, plan_spmd, probe_spmd
 
+
 class PlanMismatchError(RuntimeError):
     """The processes of a multi-controller job would run different plans (or steps)."""
 
@@ -69,8 +70,8 @@ def plan_pipeline_once(fn, args, mesh, hardware, options, traced):
         if not isinstance(why, str):
             def obtain():
                 spmd = plan_spmd(fn, args, mesh, hardware, options, traced)
-                if isinstance(spmd, str):
-                    raise ValueError(f"no SPMD pipeline: {spmd}")
+                if isinstance(spmd, str):  # probe_spmd said yes: planning should agree
+                    raise RuntimeError(f"no SPMD pipeline: {spmd}")  # noqa: TRY004
                 return spmd.plan
 
             plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options), obtain)

@@ -11,6 +11,7 @@ step. Each process checks the parameter shards it holds; the loss is readable ev
 """
 
 import faulthandler
+import itertools
 import json
 import os
 import sys
@@ -52,7 +53,7 @@ def make_step(shardplan):
 def initial_params():
     rng = np.random.default_rng(0)
     return [{"kernel": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32),
-             "bias": np.full((b,), 0.01, np.float32)} for a, b in zip(WIDTHS, WIDTHS[1:])]
+             "bias": np.full((b,), 0.01, np.float32)} for a, b in itertools.pairwise(WIDTHS)]
 
 
 def global_batch(i):
