@@ -118,11 +118,8 @@ class Plan:
     """The cost model's own estimate when `estimate` holds the compiled program's figures
     (measure=True, or the CLI once it compiled the plan); None when `estimate` is the model's."""
     stage_in_shardings: tuple | None = None
-    """An MPMD pipeline emitted on devices: every input's NamedSharding (flat, in leaf order)
-    on the submesh of the stage that holds it (where the runtime moves nothing); in memory
-    only, not in plan files."""
-    stage_out_shardings: tuple | None = None
-    """Likewise the outputs: the state on its stage's submesh, the loss replicated."""
+    """An emitted MPMD pipeline's input NamedShardings (flat), each on its stage's submesh."""
+    stage_out_shardings: tuple | None = None  # likewise the outputs; both in memory only
     candidates: tuple = ()
     """Every program the measured selection compiled and priced, or why it failed
     (shardplan.measure.MeasuredProgram: name, plan, priced, error); in memory only, not in
@@ -149,20 +146,19 @@ class Plan:
                     "on its own submesh, known once the step is emitted on devices; take the "
                     "plan from the step (step.plan(*args)) or use plan.in_specs for the specs")
             leaves = list(stage_shardings)
-            return jax.tree_util.tree_unflatten(tree, leaves) if tree is not None else leaves
-        if self.device_mesh is None:
+        elif self.device_mesh is None:
             raise ValueError("this plan has no device mesh (it was planned with shardplan.search "
                              "or loaded from a file): use plan.in_specs / plan.out_specs, or "
                              "pass the plan to shardplan.auto(..., plan=plan) on a mesh")
-        leaves = [NamedSharding(self.device_mesh, s.to_partition_spec()) for s in specs]
+        else:
+            leaves = [NamedSharding(self.device_mesh, s.to_partition_spec()) for s in specs]
         return jax.tree_util.tree_unflatten(tree, leaves) if tree is not None else leaves
 
     @property
     def in_shardings(self):
         """Pytree of NamedSharding for the step's arguments (as a tuple of arguments). An MPMD
-        pipeline's: each input on the submesh of the stage that holds it (its parameters and
-        optimizer state on their stage, the batch on the first stage that reads it), the
-        layout the runtime takes without moving anything (shardplan.global_args builds it)."""
+        pipeline's: each on the submesh of the stage that holds it (state where it is updated,
+        the batch where first read), which the runtime takes without moving anything."""
         return tuple(self._shardings(self.input_specs, self.in_tree, self.stage_in_shardings))
 
     @property
