@@ -174,19 +174,17 @@ class AutoStep:
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
         multi = distributed.is_multi_controller()
         if self._given_plan is None and multi and o.pipeline in (True, "spmd", "mpmd"):
-            # Only the SPMD pipeline runs multi-controller: process 0 plans it, all check it.
-            return self._emit_spmd(distributed.plan_spmd_once(self.fn, args, mesh, hw, o,
-                                                              traced), fp)
-        # Multi-controller, pipeline="auto" plans one program: MPMD stages cannot run there.
+            # The SPMD pipeline (process 0 plans it) where it applies, else the MPMD one
+            # (every process plans it); all check the plan before the first step.
+            plan, pp = distributed.plan_pipeline_once(self.fn, args, mesh, hw, o, traced)
+            return self._emit_spmd(plan, fp) if pp is None else self._emit_mpmd(plan, pp, fp)
+        # Multi-controller, pipeline="auto" plans one program (process 0 plans, broadcasts).
         if self._given_plan is None and o.pipeline is not False and not multi:
             choice = choose(self.fn, args, mesh, hw, o, traced=traced)
             if choice.pipelined and choice.plan.pipeline_kind == "spmd":
                 return self._emit_spmd(choice.plan, fp)
             if choice.pipelined:
-                pp = choice.pipeline
-                plan = dataclasses.replace(choice.plan, fingerprint=fp)
-                return plan, emit_pipeline(pp.split, pp.ios, pp.specs, pp.stages,
-                                           pp.device_mesh, pp.schedule), None
+                return self._emit_mpmd(choice.plan, choice.pipeline, fp)
             plan, graph = dataclasses.replace(choice.plan, device_mesh=mesh), choice.intra_graph
         else:
             # One plan for every process: planned once (or loaded from the cache), checked
@@ -220,6 +218,16 @@ class AutoStep:
                                     in_shardings, plan.out_shardings, self.donate_argnums,
                                     plan.schedule)
         return plan, jitted, in_shardings
+
+    def _emit_mpmd(self, plan: Plan, pp, fp) -> tuple[Plan, Any, Any]:
+        """An MPMD pipeline: one program per stage on its submesh (shardplan.emit.pipeline);
+        the plan carries the runtime's input and output shardings (each on its stage's
+        submesh), so global_args can build the inputs."""
+        runtime = emit_pipeline(pp.split, pp.ios, pp.specs, pp.stages, pp.device_mesh,
+                                pp.schedule)
+        plan = dataclasses.replace(plan, fingerprint=fp, stage_in_shardings=runtime.in_shardings,
+                                   stage_out_shardings=runtime.out_shardings)
+        return plan, runtime, None
 
     def __call__(self, *args, **kwargs):
         args = self._positional(args, kwargs)
@@ -345,7 +353,9 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
 
     Under jax.distributed (several processes), process 0 plans (or loads the cached plan) and
     broadcasts it, and every process checks that all run the same plan before the first step
-    (shardplan.distributed); build the inputs with shardplan.global_args.
+    (shardplan.distributed); build the inputs with shardplan.global_args. An MPMD pipeline is
+    planned by every process and compared; each process runs its own stages' programs, and
+    values cross processes in collective programs (docs/multihost.md#mpmd-pipelines).
     """
     if fn is not None:
         _check_fn(fn, "shardplan.auto")

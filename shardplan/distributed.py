@@ -24,18 +24,7 @@ from shardplan import fingerprint as fp_mod
 from shardplan.ir.graph import Role
 from shardplan.ir.trace import trace
 from shardplan.plan import Plan
-from shardplan.search import plan_spmd, probe_spmd
-
-MPMD_REFUSAL = (
-    "shardplan's MPMD pipeline runtime (pipeline=True: one program per stage on its own "
-    "submesh, driven from Python) cannot run under multi-controller JAX ({n} processes): it "
-    "moves activations between the stages' submeshes with jax.device_put, and a process cannot "
-    "transfer arrays to devices another process owns (cross-host transfers between different "
-    "device sets exist only in the TFRT TPU runtime). Use the SPMD pipeline instead: the stage "
-    "axis as a mesh axis of one program (shard_map, ppermute between stages), which runs "
-    "multi-host like any jit program (pipeline=True or 'spmd' where the loss runs its layers "
-    "as one scan over stacked parameters{why}); or pass pipeline=False for an intra-operator "
-    "plan over the whole mesh.")
+from shardplan.search import choose, plan_spmd, probe_spmd
 
 
 class PlanMismatchError(RuntimeError):
@@ -66,35 +55,51 @@ def default_mesh():
                              axis_types=(auto, auto))
 
 
-def refuse_mpmd_pipeline(why: str | None = None) -> None:
-    """Raise if this is a multi-controller run: the MPMD pipeline runtime cannot run there.
-    `why`: why the SPMD pipeline does not apply to this step."""
-    if is_multi_controller():
-        why = f"; it does not apply to this step: {why}" if why else ""
-        raise NotImplementedError(MPMD_REFUSAL.format(n=jax.process_count(), why=why))
+def plan_pipeline_once(fn, args, mesh, hardware, options, traced):
+    """The pipeline of a multi-controller step: (Plan, the PipelinePlan of an MPMD pipeline or
+    None for an SPMD one).
 
+    The SPMD pipeline where it applies (pipeline=True or "spmd"): process 0 plans it and
+    broadcasts it. Else the MPMD pipeline (shardplan.emit.pipeline runs it multi-controller):
+    the runtime needs the planner's split step and per-stage layouts, which a plan file does
+    not hold, so every process plans it (the planner is deterministic: fixed solver seed and
+    workers) and the processes compare the plans and every stage's layouts before the first
+    step."""
+    if options.pipeline != "mpmd":
+        why = probe_spmd(fn, args, mesh, options)
+        if not isinstance(why, str):
+            def obtain():
+                spmd = plan_spmd(fn, args, mesh, hardware, options, traced)
+                if isinstance(spmd, str):  # probe_spmd said yes: planning should agree
+                    raise RuntimeError(f"no SPMD pipeline: {spmd}")  # noqa: TRY004
+                return spmd.plan
 
-# -- one plan for every process ------------------------------------------------------------------
+            plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options), obtain)
+            return dataclasses.replace(plan, in_tree=traced.in_tree,
+                                       out_tree=traced.out_tree), None
+        if options.pipeline == "spmd":
+            raise ValueError(f"pipeline='spmd': no SPMD pipeline: {why}; use pipeline=True "
+                             "(MPMD stages where the layers are not one scan) or False")
+    found = {}
 
+    def obtain_mpmd():
+        found["choice"] = choice = choose(fn, args, mesh, hardware, options, traced=traced)
+        return choice.plan
 
-def plan_spmd_once(fn, args, mesh, hardware, options, traced) -> Plan:
-    """The SPMD pipeline plan of a multi-controller step (the one pipeline that runs there):
-    every process checks that it applies (tracing only) or refuses naming why; process 0
-    plans it and broadcasts it; every process checks it before the first step."""
-    if options.pipeline == "mpmd":
-        refuse_mpmd_pipeline()
-    why = probe_spmd(fn, args, mesh, options)
-    if isinstance(why, str):
-        refuse_mpmd_pipeline(why)
-
-    def obtain():
-        spmd = plan_spmd(fn, args, mesh, hardware, options, traced)
-        if isinstance(spmd, str):
-            refuse_mpmd_pipeline(spmd)
-        return spmd.plan
-
-    plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options), obtain)
-    return dataclasses.replace(plan, in_tree=traced.in_tree, out_tree=traced.out_tree)
+    plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options), obtain_mpmd,
+                     broadcast=False)
+    pp = found["choice"].pipeline
+    layouts = fp_mod.digest(repr([sorted((v, str(sp)) for v, sp in stage.items())
+                                  for stage in pp.specs]))
+    got = _allgather_text(layouts)
+    if len(set(got)) > 1:
+        raise PlanMismatchError(
+            "the processes planned MPMD pipelines whose stages lay out their values "
+            f"differently (layout digests: {_group(got)}), though their plans agree on the "
+            "inputs, outputs and stages: the planner was not deterministic here (a solver time "
+            "limit reached under load?); raise time_limit=, or plan once and pass "
+            "pipeline=False")
+    return plan, pp
 
 
 def plan_once(step_fingerprint: str, obtain: Callable[[], Plan], *,
@@ -140,6 +145,8 @@ def plan_once(step_fingerprint: str, obtain: Callable[[], Plan], *,
             else "error:" + fp_mod.digest(repr(error)))
     hashes = _allgather_text(mine)
     if len(set(hashes)) == 1:
+        if error is not None:
+            raise error  # every process failed alike (each planned itself)
         return plan
     # Slow path, only on a mismatch: every process gathers every plan to name the difference.
     texts = _allgather_text(_plan_json(plan) if error is None else _error_json(error))
@@ -302,14 +309,15 @@ def _global_leaf(x, sharding, local: bool):
     x = np.asarray(x)
     n = jax.process_count()
     if not local or x.ndim == 0:
-        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+        # dtype: a process that owns none of the devices (an MPMD pipeline's stage) holds none
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx], dtype=x.dtype)
     shape = (x.shape[0] * n, *x.shape[1:])
     if owns_own_rows(sharding, shape):
         return jax.make_array_from_process_local_data(sharding, x, shape)
     # The plan gives some process rows another holds (e.g. a batch replicated across hosts):
     # gather the whole batch, then let every device take its part.
     full = np.asarray(multihost_utils.process_allgather(x, tiled=True)) if n > 1 else x
-    return jax.make_array_from_callback(shape, sharding, lambda idx: full[idx])
+    return jax.make_array_from_callback(shape, sharding, lambda idx: full[idx], dtype=x.dtype)
 
 
 def owns_own_rows(sharding, global_shape: Sequence[int]) -> bool:

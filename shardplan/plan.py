@@ -117,6 +117,9 @@ class Plan:
     model_estimate: Estimate | None = None
     """The cost model's own estimate when `estimate` holds the compiled program's figures
     (measure=True, or the CLI once it compiled the plan); None when `estimate` is the model's."""
+    stage_in_shardings: tuple | None = None
+    """An emitted MPMD pipeline's input NamedShardings (flat), each on its stage's submesh."""
+    stage_out_shardings: tuple | None = None  # likewise the outputs; both in memory only
     candidates: tuple = ()
     """Every program the measured selection compiled and priced, or why it failed
     (shardplan.measure.MeasuredProgram: name, plan, priced, error); in memory only, not in
@@ -135,25 +138,32 @@ class Plan:
 
     # -- shardings -------------------------------------------------------------------------
 
-    def _shardings(self, specs, tree):
+    def _shardings(self, specs, tree, stage_shardings=None):
         if self.stages and self.pipeline_kind != "spmd":
-            raise ValueError("an MPMD pipelined plan has no single mesh: each stage's inputs live on "
-                             "its own submesh (see plan.stages); use plan.in_specs for the specs")
-        if self.device_mesh is None:
+            if stage_shardings is None:
+                raise ValueError(
+                    "this MPMD pipelined plan has no device shardings: each stage's inputs live "
+                    "on its own submesh, known once the step is emitted on devices; take the "
+                    "plan from the step (step.plan(*args)) or use plan.in_specs for the specs")
+            leaves = list(stage_shardings)
+        elif self.device_mesh is None:
             raise ValueError("this plan has no device mesh (it was planned with shardplan.search "
                              "or loaded from a file): use plan.in_specs / plan.out_specs, or "
                              "pass the plan to shardplan.auto(..., plan=plan) on a mesh")
-        leaves = [NamedSharding(self.device_mesh, s.to_partition_spec()) for s in specs]
+        else:
+            leaves = [NamedSharding(self.device_mesh, s.to_partition_spec()) for s in specs]
         return jax.tree_util.tree_unflatten(tree, leaves) if tree is not None else leaves
 
     @property
     def in_shardings(self):
-        """Pytree of NamedSharding for the step's arguments (as a tuple of arguments)."""
-        return tuple(self._shardings(self.input_specs, self.in_tree))
+        """Pytree of NamedSharding for the step's arguments (as a tuple of arguments). An MPMD
+        pipeline's: each on the submesh of the stage that holds it (state where it is updated,
+        the batch where first read), which the runtime takes without moving anything."""
+        return tuple(self._shardings(self.input_specs, self.in_tree, self.stage_in_shardings))
 
     @property
     def out_shardings(self):
-        return self._shardings(self.output_specs, self.out_tree)
+        return self._shardings(self.output_specs, self.out_tree, self.stage_out_shardings)
 
     @property
     def in_specs(self) -> dict[str, Any]:

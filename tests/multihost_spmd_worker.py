@@ -6,7 +6,7 @@ Joins a 2 x 4 CPU-device jax.distributed job over gloo; on one (stage=4, data=2)
 both processes (stages 0-1 on process 0, 2-3 on process 1) runs a scanned 8-layer MLP's step
 as an SPMD pipeline (pipeline=True: 4 stages, 8 micro-batches, GPipe then 1F1B), inputs from this
 process's rows with shardplan.global_args, 3 steps against the single-device step; records
-the plan, the compiled program's collective-permutes, and the refusal of pipeline="mpmd".
+the plan, the compiled program's collective-permutes.
 """
 
 import faulthandler
@@ -141,14 +141,6 @@ def main(port, me, path):
         for schedule in ("gpipe", "1f1b"):
             out[schedule] = run(shardplan, hlo_collectives, mesh, devices, me, step_fn,
                                 schedule, want, want_losses)
-        x, y = global_batch(0)
-        rows = slice(me * ROWS, (me + 1) * ROWS)
-        args = (initial_params(), x[rows], y[rows])
-        try:
-            shardplan.auto(step_fn, mesh=mesh, pipeline="mpmd")(*args)
-            out["mpmd_error"] = None
-        except NotImplementedError as e:
-            out["mpmd_error"] = str(e)
     except Exception:  # noqa: BLE001 (reported to the test)
         out["exception"] = traceback.format_exc()
     with open(path, "w") as f:

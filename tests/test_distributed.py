@@ -15,7 +15,6 @@ def test_one_process_plans_as_usual_and_runs_the_mpmd_pipeline():
     assert not distributed.is_multi_controller()
     sentinel = object()
     assert distributed.plan_once("fp", lambda: sentinel) is sentinel
-    distributed.refuse_mpmd_pipeline()  # no error on one process
 
 
 def test_global_args_places_every_leaf_as_the_plan_says(mesh2x4):
@@ -81,3 +80,42 @@ def test_describe_mismatch_names_the_first_differing_spec_or_the_failure():
     assert "process 0 vs process 1, this is process 1" in text
     failed = distributed.describe_mismatch([plan([[], []]), {"error": "ValueError: boom"}])
     assert failed.startswith("process 1 failed before the first step: ValueError: boom")
+
+
+def _marked_mlp_step(params, x, y):
+    def loss_fn(p):
+        h = x
+        for k, w in enumerate(p):
+            h = jax.numpy.tanh(h @ w)
+            if k < len(p) - 1:
+                h = shardplan.stage_boundary(h)
+        return jax.numpy.mean((h - y) ** 2)
+
+    loss, grads = shardplan.value_and_grad(loss_fn)(params)
+    return [w - 0.1 * g for w, g in zip(params, grads)], loss
+
+
+def test_an_mpmd_plan_gives_each_input_its_stage_sharding(mesh2x4):
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((16, 16)).astype(np.float32) / 4 for _ in range(4)]
+    x, y = (rng.standard_normal((8, 16)).astype(np.float32) for _ in range(2))
+    step = shardplan.auto(_marked_mlp_step, mesh=mesh2x4, hardware="cpu", pipeline="mpmd",
+                          num_stages=2, num_micro_batches=2, cache=False)
+    args = distributed.global_args(step, params, x, y)
+    plan = step.plan(*args)
+    assert plan.pipeline_kind == "mpmd"
+    stage_devices = [set(st.devices) for st in plan.stages]
+    shardings = jax.tree_util.tree_leaves(plan.in_shardings)
+    for got, want in zip(jax.tree_util.tree_leaves(args), shardings):
+        assert got.sharding.is_equivalent_to(want, got.ndim)
+        assert {d.id for d in want.device_set} in stage_devices
+    # the state comes back where it went in: the next step moves nothing
+    new_params, loss = step(*args)
+    for got, want in zip(new_params, jax.tree_util.tree_leaves(plan.in_shardings[0])):
+        assert got.sharding.is_equivalent_to(want, got.ndim)
+    want_params, want_loss = jax.jit(_marked_mlp_step)(params, x, y)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert_tree_close(new_params, want_params, rtol=1e-5, atol=1e-6)
+    # a plan file cannot say where the stages' submeshes are
+    with pytest.raises(ValueError, match="step.plan"):
+        _ = shardplan.Plan.from_dict(plan.to_dict()).in_shardings

@@ -43,9 +43,3 @@ def test_the_program_runs_the_schedule_s_collective_permutes(results, schedule):
         assert run["loop_permute_counts"] == TICKS[schedule]
         assert [[0, 1], [1, 2], [2, 3]] in run["permutes"]
         assert [[1, 0], [2, 1], [3, 2]] in run["permutes"]
-
-
-@pytest.mark.multiprocess
-def test_the_mpmd_runtime_is_still_refused(results):
-    for out in results:
-        assert "multi-controller" in out["mpmd_error"] and "SPMD pipeline" in out["mpmd_error"]

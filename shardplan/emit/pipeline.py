@@ -1,12 +1,14 @@
 """The MPMD pipeline runtime: per stage a forward, a backward and an update program, each
-jitted on the stage's submesh, driven by a GPipe or 1F1B schedule from the host.
+jitted on the stage's submesh (shardplan.emit.stage_programs), driven by a GPipe or 1F1B
+schedule from the host.
 
-Activations and their gradients move between submeshes with jax.device_put. The forward
-program returns jax.vjp's function (a pytree of residuals, kept on the stage's devices until
-the backward program takes it back), so nothing is recomputed. Gradients accumulate over
-micro-batches inside the backward program; the update runs once per step on each stage.
-Every call is dispatched asynchronously: the host never waits between stages, only when the
-caller reads a result.
+Activations and their gradients move between submeshes with jax.device_put, or under
+multi-controller JAX (jax.distributed) with a collective program over both submeshes
+(shardplan.emit.transfer): there each process runs the programs of the stages whose submesh
+holds one of its devices, and every process walks the same static schedule, so the transfers
+of two processes pair up. Gradients accumulate over micro-batches inside the backward
+program; the update runs once per step on each stage. Every call is dispatched
+asynchronously: the host never waits between stages, only when the caller reads a result.
 """
 
 from __future__ import annotations
@@ -21,213 +23,23 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplan import distributed
-from shardplan.inter import schedule as schedule_mod
+from shardplan.emit import transfer
+from shardplan.emit.stage_programs import StagePrograms, fit_spec
 from shardplan.inter import split as split_mod
 from shardplan.inter import stage_io
-from shardplan.inter import update as update_mod
 from shardplan.inter.submesh import STAGE_AXES
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
-# -- the runtime ----------------------------------------------------------------------------------
+__all__ = ["PipelineRuntime", "emit_pipeline", "fit_spec", "stage_meshes"]
 
 
-def fit_spec(spec: P, shape: Sequence[int], mesh) -> P:
-    """`spec` if every dimension it splits divides over `mesh`'s axes, else replicated."""
-    for dim, axes in zip(shape, tuple(spec)):
-        if axes is None:
-            continue
-        names = (axes,) if isinstance(axes, str) else tuple(axes)
-        if any(a not in mesh.shape for a in names):
-            return P()
-        if dim % int(np.prod([mesh.shape[a] for a in names])):
-            return P()
-    return spec
-
-
-class PipelineRuntime:
+class PipelineRuntime(StagePrograms):
     """Runs a split step as a pipeline: stage s runs `ios[s]` on `meshes[s]`, its inputs laid
-    out by `specs[s]` (forward value id -> PartitionSpec on the stage mesh)."""
+    out by `specs[s]` (forward value id -> PartitionSpec on the stage mesh).
 
-    def __init__(self, split: split_mod.SplitStep, ios: Sequence[stage_io.StageIO],
-                 meshes: Sequence, specs: Sequence[Mapping[int, P]], schedule: str):
-        distributed.refuse_mpmd_pipeline()
-        self.split, self.ios, self.meshes = split, tuple(ios), tuple(meshes)
-        self.specs = tuple(dict(s) for s in specs)
-        self.schedule = schedule
-        self.num_stages = S = len(self.ios)
-        g = split.forward
-        self._order = schedule_mod.dispatch_order(S, split.num_micro_batches, schedule)
-        self._input_index = {v: i for i, v in enumerate(g.inputs)}
-        self._diff_index = {v: k for k, v in enumerate(split.diff_values)}
-        self._producer: dict[int, int] = {}
-        for s, io in enumerate(self.ios):
-            for nid in io.nodes:
-                for v in g.nodes[nid].outputs:
-                    self._producer[v] = s
-        self._readers: dict[int, list[int]] = collections.defaultdict(list)
-        for s, io in enumerate(self.ios):
-            for v in (*io.diff_in, *io.const_in):
-                if v in self._producer:
-                    self._readers[v].append(s)
-        self.diff_home = tuple(
-            next((s for s, io in enumerate(self.ios) if d in io.diff_in), 0)
-            for d in split.diff_values)
-        self.update = update_mod.split_update(split, self.diff_home, S)
-        self._leaf_specs = self._place_leaves()
-        self._programs: dict = {}
-
-    # -- layouts ------------------------------------------------------------------------------
-
-    def _sharding(self, s: int, spec: P, shape) -> NamedSharding:
-        return NamedSharding(self.meshes[s], fit_spec(spec, shape, self.meshes[s]))
-
-    def _place_leaves(self) -> dict[tuple[int, int], P]:
-        """The layout of step input i on stage s: a differentiated parameter's planned spec,
-        optimizer state like the parameter whose update reads it, anything else replicated
-        (the batch whole: each micro-batch is cut from it inside the forward program)."""
-        sp = self.split
-        specs: dict[tuple[int, int], P] = {}
-        for s, io in enumerate(self.ios):
-            for d in io.diff_in:
-                k = self._diff_index.get(d)
-                if k is not None and sp.diff_sources[k] is not None:
-                    specs.setdefault((s, sp.diff_sources[k]), self.specs[s].get(d, P()))
-        u, ties = sp.update, sp.traced.arg_info.ties
-        tied_out = {i: j for j, i in enumerate(ties) if i is not None}
-        shapes = [tuple(a.shape) for a in sp.traced.in_avals]
-        sources = {src for src in sp.diff_sources if src is not None}
-        for k, src in enumerate(sp.diff_sources):
-            if src is None or src not in tied_out:
-                continue
-            s = self.diff_home[k]
-            part = update_mod.update_slice(u, [u.outputs[tied_out[src]]], set())
-            for v in part.inputs:
-                i = u.inputs.index(v) if v in u.inputs else None
-                if (i is not None and i < sp.num_inputs and i not in sources
-                        and shapes[i] == shapes[src]):
-                    specs.setdefault((s, i), specs.get((s, src), P()))
-        return specs
-
-    def leaf_sharding(self, s: int, i: int) -> NamedSharding:
-        shape = self.split.traced.in_avals[i].shape
-        return self._sharding(s, self._leaf_specs.get((s, i), P()), shape)
-
-    def value_sharding(self, s: int, v: int) -> NamedSharding:
-        return self._sharding(s, self.specs[s].get(v, P()), self.split.forward.values[v].shape)
-
-    # -- programs -----------------------------------------------------------------------------
-
-    def _program(self, key, build):
-        if key not in self._programs:
-            self._programs[key] = build()
-        return self._programs[key]
-
-    def _forward(self, s: int):
-        sp, io = self.split, self.ios[s]
-        g = sp.forward
-        fn = stage_io.stage_function(sp, io)
-        micro = set(sp.micro_leaves)
-        cut = {k: self.value_sharding(s, v) for k, v in enumerate(io.const_in)
-               if self._input_index.get(v) in micro}
-        size = {k: g.values[io.const_in[k]].shape[0] for k in cut}
-
-        def fwd(diff, const, m):
-            const = list(const)
-            for k, sharding in cut.items():
-                piece = jax.lax.dynamic_slice_in_dim(const[k], m * size[k], size[k], axis=0)
-                const[k] = jax.lax.with_sharding_constraint(piece, sharding)
-            outs, vjp, others = jax.vjp(lambda *d: fn(list(d), const), *diff, has_aux=True)
-            return outs, others, vjp
-
-        return jax.jit(fwd)
-
-    def _backward(self, s: int):
-        """bwd(vjp, cotangent parts, acc) -> (acc + parameter gradients, activation
-        gradients); the cotangents of an output read by several stages are summed here."""
-        sp, io = self.split, self.ios[s]
-        g = sp.forward
-        fouts = stage_io.float_outs(sp, io)
-        seed = 1.0 / sp.num_micro_batches
-        d_pos = [k for k, v in enumerate(io.diff_in) if v in self._diff_index]
-        a_pos = [k for k, v in enumerate(io.diff_in) if v not in self._diff_index]
-        grad_shardings = [self.value_sharding(s, io.diff_in[k]) for k in d_pos]
-        loss = sp.loss_value
-
-        def cotangents(parts):
-            cots = []
-            for v, got in zip(fouts, parts):
-                val = g.values[v]
-                c = functools.reduce(jnp.add, got) if got else jnp.zeros(val.shape, val.dtype)
-                if v == loss:
-                    c = c + jnp.asarray(seed, val.dtype)
-                cots.append(c)
-            return cots
-
-        def bwd(vjp, parts, acc):
-            grads = vjp(cotangents(parts))
-            d = [jax.lax.with_sharding_constraint(a + grads[k], sh)
-                 for a, k, sh in zip(acc, d_pos, grad_shardings)]
-            return d, [grads[k] for k in a_pos]
-
-        return jax.jit(bwd, donate_argnums=(2,))
-
-    def _zeros(self, s: int):
-        """The gradient accumulators of stage s, zero, laid out like its parameters."""
-        g, io = self.split.forward, self.ios[s]
-        ds = [v for v in io.diff_in if v in self._diff_index]
-        shardings = [self.value_sharding(s, v) for v in ds]
-
-        def zeros():
-            return [jnp.zeros(g.values[v].shape, g.values[v].dtype) for v in ds]
-
-        return jax.jit(zeros, out_shardings=shardings)
-
-    def _update_part(self, part: update_mod.UpdatePart, out_shardings):
-        run = split_mod.eval_nodes(self.split.update, part.nodes, part.inputs, part.outputs)
-
-        def fn(*vals):
-            outs = run(*vals)
-            return [o if sh is None else jax.lax.with_sharding_constraint(o, sh)
-                    for o, sh in zip(outs, out_shardings)]
-
-        return jax.jit(fn)
-
-    def _prep(self, s: int):
-        sp, io = self.split, self.ios[s]
-        g = sp.forward
-        outs = self._prep_targets(s)
-        ins = sorted({v for nid in io.prep for v in g.nodes[nid].inputs if v in self._input_index})
-        run = split_mod.eval_nodes(g, io.prep, ins, [stage_io.prep_source(sp, v) for v in outs])
-        shardings = [self.value_sharding(s, v) for v in outs]
-
-        def fn(*vals):
-            return [jax.lax.with_sharding_constraint(o, sh) for o, sh in zip(run(*vals), shardings)]
-
-        return jax.jit(fn), ins, outs
-
-    def _prep_targets(self, s: int) -> list[int]:
-        io = self.ios[s]
-        pre = set(self.split.pre_nodes)
-        producers = self.split.forward.producers()
-        return [v for v in (*io.diff_in, *io.const_in)
-                if v in producers and producers[v][0] in pre
-                and not (v in self._diff_index
-                         and self.split.diff_sources[self._diff_index[v]] is not None)]
-
-    def _check_args(self, args) -> list:
-        """The flat arguments, if they are the pytree and shapes the pipeline was planned for."""
-        sp = self.split
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        if tree != sp.traced.in_tree:
-            raise ValueError(f"the pipeline was planned for arguments {sp.traced.in_tree}, got "
-                             f"{tree}: plan it again for these arguments")
-        for name, x, a in zip(sp.traced.arg_info.input_names, leaves, sp.traced.in_avals):
-            if tuple(np.shape(x)) != tuple(a.shape):
-                raise ValueError(f"argument {name} has shape {tuple(np.shape(x))}, the pipeline "
-                                 f"was planned for {tuple(a.shape)}: plan it again for these "
-                                 "arguments")
-        return leaves
+    Under multi-controller JAX this process runs only the programs of the stages whose
+    submesh holds one of its devices (`self.mine`); the values of the other stages are global
+    arrays without local shards here."""
 
     def _prepare(self, leaf_on) -> dict[tuple[int, int], jax.Array]:
         """(stage, value) -> the stage's inputs computed from the state (its prep nodes)."""
@@ -235,21 +47,103 @@ class PipelineRuntime:
         for s, io in enumerate(self.ios):
             if io.prep:
                 prog, ins, outs = self._program(("prep", s), lambda s=s: self._prep(s))
-                vals = prog(*[leaf_on(s, self._input_index[v]) for v in ins])
+                args = [leaf_on(s, self._input_index[v]) for v in ins]
+                vals = prog(*args) if self.mine[s] else [None] * len(outs)
                 prepared.update({(s, v): x for v, x in zip(outs, vals)})
         return prepared
+
+    # -- the step's inputs and outputs --------------------------------------------------------
+
+    def _leaf_readers(self) -> dict[int, set[int]]:
+        """Step input i -> the stages that read it (forward, prep, update)."""
+        sp, readers = self.split, collections.defaultdict(set)
+        for s, io in enumerate(self.ios):
+            for v in (*io.diff_in, *io.const_in):
+                k = self._diff_index.get(v)
+                if v in self._input_index:
+                    readers[self._input_index[v]].add(s)
+                elif k is not None and sp.diff_sources[k] is not None:
+                    readers[sp.diff_sources[k]].add(s)
+            for nid in io.prep:
+                for v in sp.forward.nodes[nid].inputs:
+                    if v in self._input_index:
+                        readers[self._input_index[v]].add(s)
+        pos = sp.update_inputs()["step"]
+        step_in = {sp.update.inputs[idx]: k for k, idx in enumerate(pos)}
+        for s, part in enumerate((*self.update.reduce, *self.update.apply)):
+            for v in part.inputs:
+                if v in step_in:
+                    readers[step_in[v]].add(s % self.num_stages)
+        return readers
+
+    def input_stage(self, i: int) -> int:
+        """The stage whose submesh step input i is expected on: where the step returns it (the
+        state), else the first stage that reads it."""
+        ties = self.split.traced.arg_info.ties
+        for j, t in enumerate(ties):
+            if t == i:
+                return self.update.output_stage[j]
+        return min(self._leaf_readers().get(i, {0}))
+
+    @functools.cached_property
+    def in_shardings(self) -> tuple[NamedSharding, ...]:
+        """Each step input's sharding on its stage's submesh (input_stage): what the runtime
+        moves nothing for."""
+        return tuple(self.leaf_sharding(self.input_stage(i), i)
+                     for i in range(len(self.split.traced.in_avals)))
+
+    def output_sharding(self, j: int) -> NamedSharding:
+        """Step output j's sharding: the state on its stage's submesh like the input it
+        replaces; the loss and other outputs replicated on their stage's submesh, under
+        multi-controller on every device of every stage (so every process can read them)."""
+        s, i = self.update.output_stage[j], self.split.traced.arg_info.ties[j]
+        if i is not None:
+            return self.leaf_sharding(s, i)
+        if self.multi_controller:
+            return NamedSharding(self._all_devices, P())
+        return NamedSharding(self.meshes[s], P())
+
+    @functools.cached_property
+    def _all_devices(self):
+        devices = sorted({d for m in self.meshes for d in m.devices.flat},
+                         key=lambda d: (d.process_index, d.id))
+        return jax.sharding.Mesh(np.asarray(devices), ("devices",),
+                                 axis_types=(jax.sharding.AxisType.Auto,))
+
+    @property
+    def out_shardings(self) -> tuple[NamedSharding, ...]:
+        return tuple(self.output_sharding(j) for j in range(len(self.split.update.outputs)))
+
+    # -- moving values ------------------------------------------------------------------------
+
+    def _move(self, x, s: int, sharding: NamedSharding, val) -> jax.Array:
+        """Value `x` of stage s (graph value `val`: its shape and dtype) laid out as `sharding`."""
+        return self._mover.move(x, self.meshes[s], sharding, val.shape, val.dtype)
+
+    def _place(self, x, sharding: NamedSharding, aval) -> jax.Array:
+        """A step input laid out as `sharding`. Under multi-controller, a committed jax.Array
+        is a global array (its sharding the same in every process) and is moved; host data
+        and uncommitted arrays are a full copy, equal in every process, and are placed."""
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, len(aval.shape)):
+            return x
+        if not self.multi_controller:
+            return jax.device_put(x, sharding)
+        if isinstance(x, jax.Array) and x.committed:
+            return self._mover.move(x, x.sharding, sharding, aval.shape, aval.dtype)
+        return transfer.from_host(np.asarray(x, aval.dtype), sharding)
 
     # -- one step -----------------------------------------------------------------------------
 
     def __call__(self, *args):
         sp = self.split
+        g = sp.forward
         leaves = self._check_args(args)
-        S = self.num_stages
         placed: dict[tuple[int, int], jax.Array] = {}
+        avals = sp.traced.in_avals
 
         def leaf_on(s, i):
             if (s, i) not in placed:
-                placed[(s, i)] = jax.device_put(leaves[i], self.leaf_sharding(s, i))
+                placed[(s, i)] = self._place(leaves[i], self.leaf_sharding(s, i), avals[i])
             return placed[(s, i)]
 
         prepared = self._prepare(leaf_on)
@@ -266,10 +160,10 @@ class PipelineRuntime:
                 return prepared[(s, v)]
             return acts.pop((v, m, s))
 
-        residuals, acc = {}, [None] * S
+        residuals, acc = {}, [None] * self.num_stages
         cot_parts: dict[tuple[int, int], list] = collections.defaultdict(list)
         finals: dict[int, list] = collections.defaultdict(list)
-        final_set = set(sp.forward.outputs)
+        final_set = set(g.outputs)
         for kind, s, m in self._order:
             io = self.ios[s]
             fouts = stage_io.float_outs(sp, io)
@@ -278,35 +172,39 @@ class PipelineRuntime:
                 prog = self._program(("F", s), lambda s=s: self._forward(s))
                 diff = [value(s, v, m) for v in io.diff_in]
                 const = [value(s, v, m) for v in io.const_in]
-                m_arg = jax.device_put(np.int32(m), NamedSharding(self.meshes[s], P()))
-                outs, others, vjp = prog(diff, const, m_arg)
-                residuals[(s, m)] = vjp
+                outs, others = [None] * len(fouts), [None] * len(oouts)
+                if self.mine[s]:
+                    m_arg = transfer.from_host(np.int32(m), NamedSharding(self.meshes[s], P()))
+                    outs, others, residuals[(s, m)] = prog(diff, const, m_arg)
                 for v, x in zip((*fouts, *oouts), (*outs, *others)):
                     if v in final_set:
                         finals[v].append(x)
                     for t in self._readers.get(v, ()):
-                        acts[(v, m, t)] = jax.device_put(x, self.value_sharding(t, v))
+                        acts[(v, m, t)] = self._move(x, s, self.value_sharding(t, v), g.values[v])
             else:
                 parts = [cot_parts.pop((v, m), []) for v in fouts]
-                if acc[s] is None:
-                    acc[s] = self._program(("0", s), lambda s=s: self._zeros(s))()
-                prog = self._program(("B", s), lambda s=s: self._backward(s))
-                acc[s], act_cots = prog(residuals.pop((s, m)), parts, acc[s])
                 a_vals = [v for v in io.diff_in if v not in self._diff_index]
+                act_cots = [None] * len(a_vals)
+                if self.mine[s]:
+                    if acc[s] is None:
+                        acc[s] = self._program(("0", s), lambda s=s: self._zeros(s))()
+                    prog = self._program(("B", s), lambda s=s: self._backward(s))
+                    acc[s], act_cots = prog(residuals.pop((s, m)), parts, acc[s])
                 for v, c in zip(a_vals, act_cots):
                     p = self._producer[v]
-                    cot_parts[(v, m)].append(jax.device_put(c, self._sharding(
-                        p, self.specs[s].get(v, P()), c.shape)))
-        return self._finish(leaves, leaf_on, acc, finals)
+                    cot_parts[(v, m)].append(self._move(c, s, self._sharding(
+                        p, self.specs[s].get(v, P()), g.values[v].shape), g.values[v]))
+        return self._finish(leaf_on, acc, finals)
 
-    def _finish(self, leaves, leaf_on, acc, finals):
+    def _finish(self, leaf_on, acc, finals):
         """Sum the gradients of parameters several stages read, average the loss and aux over
         micro-batches, and run the update on each stage."""
-        sp = self.split
-        g = sp.forward
-        grads = self._gradients(acc)
-        means = [jnp.mean(jnp.stack(finals[v]), axis=0) for v in g.outputs]
-        return self._update(leaf_on, grads, means)
+        g = self.split.forward
+        means = []
+        for v in g.outputs:
+            s = self._producer.get(v, 0)
+            means.append((s, jnp.mean(jnp.stack(finals[v]), axis=0) if self.mine[s] else None))
+        return self._update(leaf_on, self._gradients(acc), means)
 
     def _gradients(self, acc) -> list:
         """Each parameter's gradient on its home stage: the sum of every reading stage's."""
@@ -320,13 +218,15 @@ class PipelineRuntime:
                 ds = [v for v in io.diff_in if v in self._diff_index]
                 if d not in ds:
                     continue
-                x = acc[s][ds.index(d)]
+                x = acc[s][ds.index(d)] if self.mine[s] else None
                 if s != h:
-                    x = jax.device_put(x, self.value_sharding(h, d))
-                total = x if total is None else total + x
+                    x = self._move(x, s, self.value_sharding(h, d), g.values[d])
+                if self.mine[h]:
+                    total = x if total is None else total + x
             if total is None:
                 val = g.values[d]
-                total = jax.device_put(np.zeros(val.shape, val.dtype), self.value_sharding(h, d))
+                total = transfer.from_host(np.zeros(val.shape, val.dtype),
+                                           self.value_sharding(h, d))
             grads.append(total)
         return grads
 
@@ -340,27 +240,35 @@ class PipelineRuntime:
         for name, rng in pos.items():
             for k, idx in enumerate(rng):
                 role[u.inputs[idx]] = (name, k)
-        computed: dict[int, jax.Array] = {}
+        computed: dict[int, tuple[int, jax.Array]] = {}
 
         def value(s, v):
+            whole = NamedSharding(self.meshes[s], P())
             if v in computed:
-                return jax.device_put(computed[v], NamedSharding(self.meshes[s], P()))
+                src, x = computed[v]
+                return self._move(x, src, whole, u.values[v])
             name, k = role[v]
             if name == "step":
                 return leaf_on(s, k)
             if name == "grads":
                 h = self.diff_home[k]
-                x = grads[k]
-                return x if h == s else jax.device_put(x, self.value_sharding(s, sp.diff_values[k]))
-            x = means[0] if name == "loss" else means[1 + k]
-            return jax.device_put(x, NamedSharding(self.meshes[s], P()))
+                d = sp.diff_values[k]
+                return grads[k] if h == s else self._move(
+                    grads[k], h, self.value_sharding(s, d), sp.forward.values[d])
+            src, x = means[0] if name == "loss" else means[1 + k]
+            return self._move(x, src, whole, u.values[v])
+
+        def run(key, s, part, build):
+            ins = [value(s, v) for v in part.inputs]
+            if not self.mine[s]:
+                return [None] * len(part.outputs)
+            return self._program((key, s), build)(*ins)
 
         for s, part in enumerate(self.update.reduce):
-            if not part.outputs:
-                continue
-            prog = self._program(("R", s), lambda p=part: self._update_part(p, [None] * len(p.outputs)))
-            outs = prog(*[value(s, v) for v in part.inputs])
-            computed.update(zip(part.outputs, outs))
+            if part.outputs:
+                outs = run("R", s, part, lambda p=part: self._update_part(
+                    p, [None] * len(p.outputs)))
+                computed.update((v, (s, x)) for v, x in zip(part.outputs, outs))
         out_leaves: list = [None] * len(u.outputs)
         ties = sp.traced.arg_info.ties
         for s, part in enumerate(self.update.apply):
@@ -370,20 +278,26 @@ class PipelineRuntime:
             def shardings(s=s, part=part):
                 out = []
                 for v in part.outputs:
-                    j = u.outputs.index(v)
-                    i = ties[j]
-                    shape = u.values[v].shape
+                    i = ties[u.outputs.index(v)]
                     out.append(self.leaf_sharding(s, i) if i is not None
-                               else self._sharding(s, P(), shape))
+                               else self._sharding(s, P(), u.values[v].shape))
                 return out
 
-            prog = self._program(("A", s), lambda p=part, f=shardings: self._update_part(p, f()))
-            outs = prog(*[value(s, v) for v in part.inputs])
-            got = dict(zip(part.outputs, outs))
+            got = dict(zip(part.outputs, run("A", s, part, lambda p=part, f=shardings:
+                                             self._update_part(p, f()))))
             for j, v in enumerate(u.outputs):
                 if self.update.output_stage[j] == s:
-                    out_leaves[j] = got[v]
+                    out_leaves[j] = self._output(j, s, got[v], u.values[v])
         return jax.tree_util.tree_unflatten(sp.traced.out_tree, out_leaves)
+
+    def _output(self, j: int, s: int, x, val):
+        """Step output j as the step returns it (output_sharding): moved to every device under
+        multi-controller if it is not state; an array without local shards in a process that
+        owns none of its devices."""
+        sharding = self.output_sharding(j)
+        if self.split.traced.arg_info.ties[j] is None and self.multi_controller:
+            return self._move(x, s, sharding, val)
+        return x if self.mine[s] else transfer.empty(val.shape, val.dtype, sharding)
 
 
 # -- a planned pipeline on devices ---------------------------------------------------------------
