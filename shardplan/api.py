@@ -216,9 +216,10 @@ class AutoStep:
         pmesh = spmd_mod.pipeline_mesh(self.mesh, len(plan.stages))
         plan = dataclasses.replace(plan, device_mesh=pmesh, fingerprint=fp)
         in_shardings = plan.in_shardings
+        carries = [plan.constraints[k].to_partition_spec() for k in sorted(plan.constraints)]
         jitted = spmd_mod.emit_spmd(self.fn, pmesh, len(plan.stages), plan.num_micro_batches,
                                     in_shardings, plan.out_shardings, self.donate_argnums,
-                                    plan.schedule)
+                                    plan.schedule, carries or None)
         return plan, jitted, in_shardings
 
     def __call__(self, *args, **kwargs):
