@@ -25,7 +25,6 @@ from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.plan import Plan, fingerprint, load_plan
-from shardplan.search import choose
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
@@ -179,7 +178,8 @@ class AutoStep:
                                                               traced), fp)
         # Multi-controller, pipeline="auto" plans one program: MPMD stages cannot run there.
         if self._given_plan is None and o.pipeline is not False and not multi:
-            choice = choose(self.fn, args, mesh, hw, o, traced=traced)
+            choice = measure.choose_measured(self.fn, args, mesh, hw, o, traced,
+                                             self.donate_argnums)
             if choice.pipelined and choice.plan.pipeline_kind == "spmd":
                 return self._emit_spmd(choice.plan, fp)
             if choice.pipelined:

@@ -19,9 +19,8 @@ import numpy as np
 from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.cost.model import AlphaBetaCost
-from shardplan.inter import layer_scan
+from shardplan.inter import layer_scan, spmd_cost
 from shardplan.inter import schedule as schedule_mod
-from shardplan.inter import spmd_cost
 from shardplan.inter import split as split_mod
 from shardplan.inter import stages as stages_mod
 from shardplan.inter.planner import PipelinePlan, plan_pipeline
@@ -228,7 +227,7 @@ def choose(fn, args: Sequence, mesh, hardware: HardwareProfile,
     spmd_line = (f"the SPMD pipeline takes {fmt_seconds(spmd.plan.estimate.total_s)} "
                  f"({spmd.plan.notes[-1]})" if isinstance(spmd, Choice)
                  else f"no SPMD pipeline: {spmd}")
-    extra = dict(spmd=spmd.spmd, spmd_plan=spmd.plan) if isinstance(spmd, Choice) else {}
+    extra = {"spmd": spmd.spmd, "spmd_plan": spmd.plan} if isinstance(spmd, Choice) else {}
     try:
         pp = plan_pipeline(fn, args, mesh, hardware, options, min_stages=2,
                            intra_total=intra_total, traced=traced)
