@@ -5,6 +5,14 @@ the time planning took.
 
     .venv/bin/python benchmarks/pipeline_bench.py --size 6.7b --batch 64
 
+With --spmd: the SPMD pipeline instead (the zoo's GPT with its layers scanned, one program in
+shard_map over a `stage` axis) for 2, 4 and 8 stages against the intra-op plan of the same
+step on the whole mesh, both by the cost model, and compiled on CPU devices and priced by the
+profile where --compile names the cluster (abstract inputs: nothing allocated; 8x8 needs 64
+CPU devices and is estimated only by default):
+
+    .venv/bin/python benchmarks/pipeline_bench.py --spmd --size 6.7b --batch 64 --compile 2x4
+
 The model is the zoo's GPT with a shardplan.stage_boundary after every block but the last,
 so the layers are the blocks (the embedding rides with the first, the head with the last).
 Pure intra-op is shown two ways: the full-step ILP on the whole mesh
@@ -25,8 +33,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from shardplan import measure
 from shardplan.cost.hardware import get_profile
 from shardplan.grad import stage_boundary, value_and_grad
 from shardplan.inter import planner, stage_io
@@ -36,8 +46,9 @@ from shardplan.inter.submesh import STAGE_AXES
 from shardplan.intra.planner import IntraOptions
 from shardplan.ir.trace import trace
 from shardplan.models import base, get_config, layers
+from shardplan.models import gpt as gpt_mod
 from shardplan.options import SearchOptions
-from shardplan.search import plan_step
+from shardplan.search import choose, plan_step
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import fmt_seconds
 
@@ -165,6 +176,86 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def scanned_gpt_step(size: str, batch: int, dtype: str):
+    """(step, abstract args) of the zoo's GPT with scanned layers, its gradient taken with
+    shardplan.value_and_grad (where the SPMD pipeline cuts)."""
+    cfg = get_config("gpt", size, batch_size=batch, dropout_rate=0.0, dtype=dtype,
+                     scan_layers=True)
+    model = gpt_mod.GPT(cfg)
+    ids = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32)
+    params = jax.eval_shape(lambda k: model.init(k, jnp.zeros(ids.shape, jnp.int32), train=False),
+                            jax.random.PRNGKey(0))["params"]
+    opt = base.make_optimizer(cfg)
+
+    def loss_fn(p, _all, batch):
+        return base.cross_entropy(model.apply({"params": p}, batch["input_ids"], train=False),
+                                  batch["labels"]), None
+
+    step = base.make_train_step(loss_fn, opt, "gpt", value_and_grad=value_and_grad)
+    return step, (params, jax.eval_shape(opt.init, params), {"input_ids": ids, "labels": ids})
+
+
+def run_spmd(size: str, batch: int, micro: int | None, dtype: str, which, compile_on) -> list:
+    """The SPMD pipeline of 2, 4, 8 stages against the intra-op plan, estimated and (for the
+    clusters in `compile_on`) compiled on CPU devices and priced."""
+    step, args = scanned_gpt_step(size, batch, dtype)
+    traced = trace(step, args)
+    rows = []
+    for name in which:
+        hw, shape = clusters()[name]
+        mesh = MeshShape(("hosts", "devices"), shape)
+        compiled = name in compile_on
+        cpu = measure.cpu_mesh(mesh) if compiled else None
+        t0 = time.perf_counter()
+        intra, graph, _ = plan_step(traced, mesh, hw)
+        row = {"cluster": name, "intra": intra.estimate.total_s,
+               "intra_s": time.perf_counter() - t0, "spmd": {}}
+        if compiled:
+            dt = measure.compute_dtype(graph)
+            row["intra_priced"] = measure.measure(graph, traced, intra, cpu, hw, "intra",
+                                                  traced.state_argnums, dt).priced
+        for S in (2, 4, 8):
+            o = SearchOptions(pipeline="spmd", num_stages=S, num_micro_batches=micro,
+                              schedule="1f1b")
+            t0 = time.perf_counter()
+            try:
+                c = choose(step, args, mesh, hw, o, traced=traced)
+            except ValueError as e:
+                row["spmd"][S] = {"error": str(e)[:120]}
+                continue
+            r = {"estimate": c.plan.estimate.total_s, "M": c.plan.num_micro_batches,
+                 "bubble": c.plan.estimate.bubble_fraction, "plan_s": time.perf_counter() - t0,
+                 "note": c.plan.notes[-1]}
+            if compiled:
+                _, priced = measure.price_spmd(step, args, c.plan, cpu, hw, dt,
+                                               traced.state_argnums)
+                r["priced"] = priced
+            row["spmd"][S] = r
+        rows.append(row)
+    return rows
+
+
+def spmd_table(rows) -> str:
+    lines = ["| cluster | plan | model estimate | compiled, priced | model / priced |",
+             "|---|---|---|---|---|"]
+
+    def cells(name, est, priced):
+        p = "estimate only (not compiled)" if priced is None else fmt_seconds(priced.total_s)
+        ratio = "-" if priced is None else f"{est / priced.total_s:.2f}"
+        return f"| {name} | {est_label} | {fmt_seconds(est)} | {p} | {ratio} |"
+
+    for r in rows:
+        est_label = "intra-op (full-step ILP)"
+        lines.append(cells(r["cluster"], r["intra"], r.get("intra_priced")))
+        for S, x in r["spmd"].items():
+            if "error" in x:
+                lines.append(f"| {r['cluster']} | SPMD {S} stages | {x['error']} | - | - |")
+                continue
+            est_label = f"SPMD 1F1B {S} stages, M={x['M']}, bubble {x['bubble']:.0%}"
+            lines.append(cells(r["cluster"], x["estimate"], x.get("priced")))
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="6.7b", help="zoo GPT size (default 6.7b)")
@@ -175,7 +266,25 @@ def main(argv=None):
     p.add_argument("--clusters", default="2x4,8x8")
     p.add_argument("--no-full-ilp", dest="full_ilp", action="store_false",
                    help="skip the full-step intra-op ILP (minutes on 8x8)")
+    p.add_argument("--spmd", action="store_true",
+                   help="the SPMD pipeline of a scanned GPT against intra-op")
+    p.add_argument("--compile", default="2x4",
+                   help="clusters whose programs are compiled on CPU devices and priced "
+                        "(--spmd; 8x8 takes 64 CPU devices)")
     a = p.parse_args(argv)
+    if a.spmd:
+        on = [c for c in a.compile.split(",") if c]
+        n = max([int(np.prod(clusters()[c][1])) for c in on] + [1])
+        jax.config.update("jax_num_cpu_devices", n)
+        rows = run_spmd(a.size, a.batch, a.micro_batches, a.dtype, a.clusters.split(","), on)
+        for r in rows:
+            for S, x in r["spmd"].items():
+                print(f"== {r['cluster']} SPMD {S} stages:", x.get("note", x.get("error")))
+        print()
+        print("step times priced as a100-80gb: the cost model's estimate, and the program "
+              "compiled by XLA on CPU devices standing in for the cluster")
+        print(spmd_table(rows))
+        return
     rows = run(a.size, a.batch, a.micro_batches, a.dtype, a.clusters.split(","), a.full_ilp)
     for r in rows:
         print(f"== {r['cluster']}: planned in {r['plan_s']:.1f} s "

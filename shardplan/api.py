@@ -25,7 +25,6 @@ from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.plan import Plan, fingerprint, load_plan
-from shardplan.search import choose
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
@@ -180,7 +179,8 @@ class AutoStep:
             return self._emit_spmd(plan, fp) if pp is None else self._emit_mpmd(plan, pp, fp)
         # Multi-controller, pipeline="auto" plans one program (process 0 plans, broadcasts).
         if self._given_plan is None and o.pipeline is not False and not multi:
-            choice = choose(self.fn, args, mesh, hw, o, traced=traced)
+            choice = measure.choose_measured(self.fn, args, mesh, hw, o, traced,
+                                             self.donate_argnums)
             if choice.pipelined and choice.plan.pipeline_kind == "spmd":
                 return self._emit_spmd(choice.plan, fp)
             if choice.pipelined:
@@ -214,9 +214,10 @@ class AutoStep:
         pmesh = spmd_mod.pipeline_mesh(self.mesh, len(plan.stages))
         plan = dataclasses.replace(plan, device_mesh=pmesh, fingerprint=fp)
         in_shardings = plan.in_shardings
+        carries = [plan.constraints[k].to_partition_spec() for k in sorted(plan.constraints)]
         jitted = spmd_mod.emit_spmd(self.fn, pmesh, len(plan.stages), plan.num_micro_batches,
                                     in_shardings, plan.out_shardings, self.donate_argnums,
-                                    plan.schedule)
+                                    plan.schedule, carries or None)
         return plan, jitted, in_shardings
 
     def _emit_mpmd(self, plan: Plan, pp, fp) -> tuple[Plan, Any, Any]:

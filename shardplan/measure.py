@@ -31,6 +31,7 @@ import numpy as np
 from shardplan.analysis import hlo
 from shardplan.analysis.price import PricedStep, price
 from shardplan.cost.hardware import HardwareProfile
+from shardplan.emit import spmd
 from shardplan.emit.jit import emit_jit
 from shardplan.intra import experts
 from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
@@ -39,7 +40,14 @@ from shardplan.ir.graph import Graph, Role
 from shardplan.ir.trace import TracedStep
 from shardplan.options import SearchOptions
 from shardplan.plan import Estimate, Plan
-from shardplan.search import donated_inputs, pinned_inputs, plan_graph, plan_step
+from shardplan.search import (
+    Choice,
+    choose,
+    donated_inputs,
+    pinned_inputs,
+    plan_graph,
+    plan_step,
+)
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import Deadline, fmt_bytes, fmt_seconds
 
@@ -356,3 +364,76 @@ def plan_measured(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile
     plan = dataclasses.replace(plan, search_s=time.perf_counter() - start,
                                device_mesh=device_mesh)
     return plan, graph, intra
+
+
+# -- pipelines as compiled ------------------------------------------------------------------------
+
+
+def lower_spmd(fn, args: Sequence, plan: Plan, mesh, donate_argnums: Sequence[int] = ()):
+    """The SPMD pipeline plan's one program (shardplan.emit.spmd) lowered on `mesh` (which
+    has the plan's pipeline axes, or is laid out as them) for `args` (arrays or abstract):
+    (lowered, the pipeline mesh)."""
+    pmesh = spmd.pipeline_mesh(mesh, len(plan.stages))
+    placed = dataclasses.replace(plan, device_mesh=pmesh)
+    carries = [plan.constraints[k].to_partition_spec() for k in sorted(plan.constraints)]
+    jitted = spmd.emit_spmd(fn, pmesh, len(plan.stages), plan.num_micro_batches,
+                            placed.in_shardings, placed.out_shardings, tuple(donate_argnums),
+                            plan.schedule, carries or None)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # donating abstract args warns
+        return jitted.lower(*abstract), pmesh
+
+
+def price_spmd(fn, args: Sequence, plan: Plan, mesh, hw: HardwareProfile, dtype: str,
+               donate_argnums: Sequence[int] = ()) -> tuple[hlo.ProgramStats, PricedStep]:
+    """The SPMD pipeline plan's program compiled on `mesh` (never run) and priced as `hw`
+    runs it: the loop of ticks at its trip count (hlo.analyze)."""
+    lowered, pmesh = lower_spmd(fn, args, plan, mesh, donate_argnums)
+    return compile_and_price(lowered, pmesh, plan.mesh, hw, dtype)
+
+
+def choose_measured(fn, args: Sequence, mesh, hw: HardwareProfile, options: SearchOptions,
+                    traced: TracedStep, donate_argnums: Sequence[int] = ()) -> Choice:
+    """shardplan.search.choose, then, where it planned an SPMD pipeline and options.measure,
+    the SPMD program and the intra-op plan's program compiled on `mesh` (or CPU devices
+    standing in for it) and priced by `hw`: the cheaper as priced is kept, both prices in
+    the notes (a pipeline is judged as compiled, like an intra-op plan)."""
+    choice = choose(fn, args, mesh, hw, options, traced=traced)
+    if (not options.measure or choice.spmd_plan is None or choice.intra is None
+            or (choice.pipelined and choice.plan.pipeline_kind == "mpmd")):
+        return choice
+    real = isinstance(mesh, jax.sharding.Mesh)
+    shape = MeshShape.of(mesh) if real else choice.intra.mesh
+    devices = mesh if real else cpu_mesh(shape)
+    graph = choice.intra_graph
+    dtype = compute_dtype(graph)
+    intra = measure(graph, traced, choice.intra, devices, hw, "intra-op", donate_argnums, dtype)
+    try:
+        _, spmd_priced = price_spmd(fn, args, choice.spmd_plan, devices, hw, dtype,
+                                    donate_argnums)
+    except Exception as e:  # noqa: BLE001 - the intra-op plan stands
+        note = (f"measured: the SPMD pipeline did not compile ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:160]}); kept the cost model's choice")
+        return dataclasses.replace(choice, plan=dataclasses.replace(
+            choice.plan, notes=(*choice.plan.notes, note)))
+    if intra.priced is None:
+        return choice
+    a, b = intra.priced.total_s, spmd_priced.total_s
+    pick_spmd = b < a
+    line = (f"measured (compiled by XLA, priced as {hw.name}): SPMD pipeline {fmt_seconds(b)} "
+            f"(model {fmt_seconds(choice.spmd_plan.estimate.total_s)}), peak "
+            f"{fmt_bytes(spmd_priced.peak_bytes)}; intra-op {fmt_seconds(a)} (model "
+            f"{fmt_seconds(choice.intra.estimate.total_s)}), peak "
+            f"{fmt_bytes(intra.priced.peak_bytes)}; kept the "
+            f"{'SPMD pipeline' if pick_spmd else 'intra-op plan'}")
+    base = choice.spmd_plan if pick_spmd else choice.intra
+    priced = spmd_priced if pick_spmd else intra.priced
+    kept = dataclasses.replace(
+        base, estimate=Estimate(priced.compute_s, priced.comm_s, priced.peak_bytes,
+                                base.estimate.state_bytes, priced.bytes_sent,
+                                base.estimate.bubble_fraction),
+        model_estimate=base.estimate, notes=(*base.notes, line))
+    return dataclasses.replace(choice, pipelined=pick_spmd, plan=kept,
+                               pipeline=None if pick_spmd else choice.pipeline,
+                               explanation=choice.explanation + "\n" + line)

@@ -95,6 +95,8 @@ class Plan:
     output_names: tuple[str, ...]
     output_specs: tuple[ShardSpec, ...]
     constraints: Mapping[int, ShardSpec]
+    """Planned intermediate values' specs by value id; for an SPMD pipeline, the specs of the
+    scan's carries (the activation between layers) by position, held in the stage body."""
     estimate: Estimate
     operand_specs: Mapping[tuple[int, int], tuple[ShardSpec, ...]] = dataclasses.field(
         default_factory=dict)

@@ -13,12 +13,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.cost.model import AlphaBetaCost
-from shardplan.inter import layer_scan
+from shardplan.inter import layer_scan, spmd_cost
 from shardplan.inter import schedule as schedule_mod
 from shardplan.inter import split as split_mod
 from shardplan.inter import stages as stages_mod
@@ -28,7 +29,7 @@ from shardplan.inter.tables import Cluster
 from shardplan.intra import hints as hints_mod
 from shardplan.intra.options import intra_options
 from shardplan.intra.planner import IntraPlan, plan_intra
-from shardplan.ir.graph import Graph
+from shardplan.ir.graph import Graph, Role
 from shardplan.ir.lift import LiftOptions, lift
 from shardplan.ir.trace import TracedStep, trace
 from shardplan.options import DEFAULTS, SearchOptions
@@ -165,6 +166,10 @@ class Choice:
     explanation: str
     intra_graph: Any = None
     """The lifted step the intra-op plan is for (what shardplan.emit.jit.emit_jit runs)."""
+    spmd: Any = None
+    """The SPMD pipeline's cost (shardplan.inter.spmd_cost.SpmdCost) when one was planned."""
+    spmd_plan: Plan | None = None
+    """The SPMD pipeline's plan when one was planned, chosen or not."""
 
 
 AUTO_PIPELINE = DEFAULTS.replace(pipeline="auto")
@@ -172,9 +177,11 @@ AUTO_PIPELINE = DEFAULTS.replace(pipeline="auto")
 
 def choose(fn, args: Sequence, mesh, hardware: HardwareProfile,
            options: SearchOptions = AUTO_PIPELINE, *, traced: TracedStep | None = None) -> Choice:
-    """Compare the best pipeline of 2 or more stages (shardplan.inter.planner.plan_pipeline)
-    with pure intra-op parallelism (one stage on the whole mesh, plan_step) and return the
-    cheaper, unless options.pipeline is True (pipeline) or False (intra-op only). `mesh` is a
+    """Compare the SPMD pipeline (plan_spmd, where the layers are one scan) and the best MPMD
+    pipeline of 2 or more stages (shardplan.inter.planner.plan_pipeline) with pure intra-op
+    parallelism (one stage on the whole mesh, plan_step) by the cost model and return the
+    cheapest (the SPMD pipeline first when it beats intra-op), unless options.pipeline is True
+    / "spmd" / "mpmd" (pipeline) or False (intra-op only); the notes say why. `mesh` is a
     jax Mesh, or a MeshShape or device count to plan without devices."""
     cluster = Cluster.of(mesh, hardware)
     if traced is None:
@@ -209,24 +216,37 @@ def choose(fn, args: Sequence, mesh, hardware: HardwareProfile,
         text = (f"one stage (pure intra-op, estimated step {fmt_seconds(intra_total)}): "
                 "pipelines are not planned with hints")
         return Choice(False, _with_notes(intra, (text,)), None, intra, text, graph)
+    spmd = plan_spmd(fn, args, mesh, hardware, options, traced)
+    if isinstance(spmd, Choice) and spmd.plan.estimate.total_s < intra_total:
+        text = (f"SPMD pipeline of {len(spmd.plan.stages)} stages: "
+                f"{fmt_seconds(spmd.plan.estimate.total_s)} per step against "
+                f"{fmt_seconds(intra_total)} for pure intra-op (cost model)\n" + spmd.explanation)
+        plan = _with_notes(spmd.plan, text.splitlines(), replace=True)
+        return dataclasses.replace(spmd, plan=plan, intra=intra, explanation=text,
+                                   intra_graph=graph, spmd_plan=plan)
+    spmd_line = (f"the SPMD pipeline takes {fmt_seconds(spmd.plan.estimate.total_s)} "
+                 f"({spmd.plan.notes[-1]})" if isinstance(spmd, Choice)
+                 else f"no SPMD pipeline: {spmd}")
+    extra = {"spmd": spmd.spmd, "spmd_plan": spmd.plan} if isinstance(spmd, Choice) else {}
     try:
         pp = plan_pipeline(fn, args, mesh, hardware, options, min_stages=2,
                            intra_total=intra_total, traced=traced)
     except (split_mod.PipelineSplitError, stages_mod.NoFeasibleStagePlan) as e:
         text = (f"one stage (pure intra-op, estimated step {fmt_seconds(intra_total)}): "
-                f"no pipeline was possible: {e}")
-        return Choice(False, _with_notes(intra, (text,)), None, intra, text, graph)
+                f"no MPMD pipeline was possible: {e}; {spmd_line}")
+        return Choice(False, _with_notes(intra, (text,)), None, intra, text, graph, **extra)
     if pp.chosen.total_s < intra_total:
         text = (f"{pp.num_stages} pipeline stages: {fmt_seconds(pp.chosen.total_s)} per step "
-                f"against {fmt_seconds(intra_total)} for pure intra-op\n" + pp.explain())
+                f"against {fmt_seconds(intra_total)} for pure intra-op; {spmd_line}\n"
+                + pp.explain())
         plan = _with_notes(pipeline_plan(pp, hardware), text.splitlines(), replace=True)
-        return Choice(True, plan, pp, intra, text, graph)
+        return Choice(True, plan, pp, intra, text, graph, **extra)
     lines = [(f"one stage (pure intra-op): {fmt_seconds(intra_total)} per step, the best "
-              f"pipeline takes {fmt_seconds(pp.chosen.total_s)}")]
+              f"MPMD pipeline takes {fmt_seconds(pp.chosen.total_s)}; {spmd_line}")]
     lines += [x.replace("  <- chosen", "") for x in pp.explain().splitlines()[
         1 + pp.num_stages:]]
     text = "\n".join(lines)
-    return Choice(False, _with_notes(intra, lines), pp, intra, text, graph)
+    return Choice(False, _with_notes(intra, lines), pp, intra, text, graph, **extra)
 
 
 def _with_notes(plan: Plan, notes, replace: bool = False) -> Plan:
@@ -280,7 +300,10 @@ def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: Sear
     one scan over stacked parameters, or why not. Stages split the scan's layers equally along
     the mesh's `stage` axis; the step's intra-op plan on one stage's devices (the other axes)
     lays out every input, the stacked parameters (and what has their shape: the optimizer's
-    moments) split over the stages on their layer dimension."""
+    moments) split over the stages on their layer dimension; the plan's `constraints` are the
+    specs of the scan's carries (by position) the stage body holds them in. The estimate is
+    the stage program's under the cost model with the schedule's ticks and the permutes
+    (shardplan.inter.spmd_cost)."""
     shape = _shape_of(mesh)
     lt = probe_spmd(fn, args, mesh, options)
     if isinstance(lt, str):
@@ -292,7 +315,8 @@ def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: Sear
         return (f"the mesh has only the {layer_scan.STAGE_AXIS!r} axis: give it a second axis "
                 "(of size 1 if need be) for the intra-op plan of a stage")
     sub = MeshShape(tuple(a for a, _ in rest), tuple(k for _, k in rest))
-    intra, _, _ = plan_step(traced, sub, hardware, options.replace(pipeline=False, measure=False))
+    intra, graph, intra_plan = plan_step(traced, sub, hardware,
+                                         options.replace(pipeline=False, measure=False))
     stacked = {s for s in lt.scan.xs_shapes if s and s[0] == L}
     ins = []
     for spec, aval in zip(intra.input_specs, traced.in_avals):
@@ -304,14 +328,18 @@ def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: Sear
     sched = options.schedule
     bubble = schedule_mod.bubble_fraction(S, M, sched, "spmd")
     ticks = M + S - 1 if sched == "gpipe" else M + 2 * S - 2
-    # GPipe: M+S-1 ticks forward and as many backward; 1F1B: M+2S-2 ticks of a forward and a
-    # backward that recomputes the forward (B = 2F: 4/3 of a forward and backward)
-    scale = ticks / (M * S) * (1.0 if sched == "gpipe" else 4.0 / 3.0)
-    e = intra.estimate
-    est = dataclasses.replace(e, compute_s=e.compute_s * scale, comm_s=e.comm_s * scale,
-                              bubble_fraction=bubble)
-    per = dataclasses.replace(est, compute_s=est.compute_s / M, comm_s=est.comm_s / M)
     ids = _stage_devices(mesh, shape, p_names, p_sizes)
+    pmesh = MeshShape(p_names, p_sizes)
+    full = spmd_cost.Priced(graph, intra_plan, intra.ops)
+    stage = _micro_step(fn, traced, lt, sub, hardware, options, intra.input_specs)
+    carries = spmd_cost.carry_specs(stage, lt) if stage is not None else None
+    cost = spmd_cost.spmd_cost(full, stage, lt, pmesh, hardware,
+                               _pipeline_order(mesh, shape, p_sizes), sched)
+    est = dataclasses.replace(cost.estimate, bubble_fraction=bubble)
+    # a stage's estimate: one micro-batch through its layers, forward and backward, and its
+    # two permutes (as the MPMD stages' estimates are: the latency of one micro-batch)
+    per = dataclasses.replace(est, compute_s=cost.forward_s + cost.backward_s,
+                              comm_s=cost.permute_s / ticks)
     stages = tuple(Stage((s * L // S, (s + 1) * L // S - 1), sub.sizes, ids[s], per)
                    for s in range(S))
     how = (f"GPipe: {M} micro-batches, {ticks} ticks forward and as many backward (JAX's "
@@ -325,16 +353,47 @@ def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: Sear
            f"one scan over stacked parameters, so {S} equal stages of {L // S} layers run in "
            f"one program (shard_map over {layer_scan.STAGE_AXIS!r}, ppermute between stages; "
            f"embedding, head and update outside it on every device)")
-    estimate = (f"estimate: the step's intra-op plan on one stage's {sub.num_devices} devices "
-                f"({' x '.join(f'{a}={k}' for a, k in rest)}), its time scaled by the "
-                f"schedule ({scale:.3f}); memory as that plan's (not divided by the stages)")
+    estimate = cost.explain(sched, ticks) + (f"; {cost.flops / 1e9:.4g} GFLOP per device"
+                                             if cost.found else "")
     notes = (why, how, estimate)
     plan = dataclasses.replace(
-        intra, mesh=MeshShape(p_names, p_sizes), input_specs=tuple(ins), output_specs=outs,
-        constraints={}, operand_specs={}, estimate=est, stages=stages, notes=notes,
-        num_micro_batches=M, schedule=sched, pipeline_kind="spmd", ops=(),
+        intra, mesh=pmesh, input_specs=tuple(ins), output_specs=outs,
+        constraints=dict(enumerate(carries or ())), operand_specs={}, estimate=est,
+        stages=stages, notes=notes, num_micro_batches=M, schedule=sched, pipeline_kind="spmd",
+        ops=(),
         memory_budget=options.memory_budget)
-    return Choice(True, plan, None, intra, "\n".join(notes))
+    return Choice(True, plan, None, intra, "\n".join(notes), spmd=cost, spmd_plan=plan)
+
+
+def _micro_step(fn, traced: TracedStep, lt: layer_scan.LossTrace, sub: MeshShape,
+                hw: HardwareProfile, options: SearchOptions,
+                state_specs: Sequence[ShardSpec]) -> spmd_cost.Priced | None:
+    """The step on one micro-batch (its batch inputs' rows cut by M) planned on one stage's
+    devices with the state laid out as the full step's plan lays it out: the stage program's
+    cost and its carry's layout. None if it does not trace or plan (the estimate then scales
+    the full step's layers)."""
+    B, M = lt.scan.batch, lt.num_micro_batches
+    roles = traced.arg_info.roles
+    cut = [jax.ShapeDtypeStruct((B // M, *a.shape[1:]), a.dtype)
+           if r == Role.BATCH and tuple(a.shape[:1]) == (B,) else a
+           for a, r in zip(traced.in_avals, roles)]
+    o = options.replace(pipeline=False, measure=False, memory_budget=None)
+    try:
+        args = jax.tree_util.tree_unflatten(traced.in_tree, cut)
+        micro = trace(fn, tuple(args), options.state_argnums, options.batch_argnums)
+        graph = lift(micro.closed_jaxpr, micro.arg_info, LiftOptions(while_trips=o.while_trips))
+        fixed = {i: s for i, (s, r) in enumerate(zip(state_specs, roles)) if r == Role.STATE}
+        plan, intra = plan_graph(graph, micro, sub, hw, o, fixed_inputs=fixed)
+    except Exception:  # noqa: BLE001 - the estimate falls back to the full step's layers / M
+        return None
+    return spmd_cost.Priced(graph, intra, plan.ops)
+
+
+def _pipeline_order(mesh, shape: MeshShape, sizes) -> list[int]:
+    """The device ids of the pipeline mesh in its row-major order."""
+    ids = (np.asarray([d.id for d in mesh.devices.flat]) if hasattr(mesh, "devices")
+           else np.arange(shape.num_devices))
+    return [int(i) for i in ids.reshape(sizes).flat]
 
 
 def _stage_devices(mesh, shape: MeshShape, names, sizes) -> list[tuple[int, ...]]:

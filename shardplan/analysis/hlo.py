@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from shardplan.analysis import hlo_parse
+from shardplan.analysis import hlo_flops, hlo_parse
 from shardplan.analysis.hlo_collectives import (
     KINDS,
     CollectiveOp,
@@ -30,7 +30,9 @@ class ProgramStats:
     """Per-device cost of one compiled program.
 
     flops, transcendentals, bytes_accessed: from `compiled.cost_analysis()` (per device
-    after partitioning). argument/output/temp/alias/generated_code bytes: from
+    after partitioning); flops also count every iteration of the while loops of known trip
+    count (cost_analysis() counts a loop body once): loop_flops of them are added
+    (shardplan.analysis.hlo_flops). argument/output/temp/alias/generated_code bytes: from
     `compiled.memory_analysis()`. peak_bytes = argument + output + temp - alias: every
     live buffer at once, counting donated (aliased) buffers once; an upper bound.
     xla_peak_bytes: XLA's own heap-simulation peak when the runtime reports it, else 0.
@@ -48,6 +50,8 @@ class ProgramStats:
     generated_code_bytes: int = 0
     xla_peak_bytes: int = 0
     num_devices: int = 1
+    loop_flops: float = 0.0
+    """Flops of the loops' iterations beyond the first, added to cost_analysis()'s."""
 
     def formed(self) -> ProgramStats:
         """The program as a GPU or TPU compiler would run its collectives: every
@@ -122,6 +126,7 @@ def analyze(compiled: Any) -> ProgramStats:
         text, num_devices=n, device_assignment=_device_assignment(compiled, n)
     )
     flops, trans, accessed = _cost_numbers(compiled.cost_analysis())
+    extra = hlo_flops.loop_extra_flops(text)
     mem = compiled.memory_analysis()
 
     def field(name: str) -> int:
@@ -130,9 +135,9 @@ def analyze(compiled: Any) -> ProgramStats:
     arg, out = field("argument_size_in_bytes"), field("output_size_in_bytes")
     temp, alias = field("temp_size_in_bytes"), field("alias_size_in_bytes")
     return ProgramStats(
-        collectives=collectives, flops=flops, transcendentals=trans, bytes_accessed=accessed,
+        collectives=collectives, flops=flops + extra, transcendentals=trans, bytes_accessed=accessed,
         argument_bytes=arg, output_bytes=out, temp_bytes=temp, alias_bytes=alias,
         peak_bytes=arg + out + temp - alias,
         generated_code_bytes=field("generated_code_size_in_bytes"),
-        xla_peak_bytes=field("peak_memory_in_bytes"), num_devices=n,
+        xla_peak_bytes=field("peak_memory_in_bytes"), num_devices=n, loop_flops=extra,
     )

@@ -115,12 +115,13 @@ def _ring_bytes(kind: str, nbytes: int, n: int, moves: bool = True) -> float:
 
 
 
-def _called(instr: hlo_parse.Instr) -> Iterator[str]:
+def called(instr: hlo_parse.Instr) -> Iterator[str]:
+    """The computations an instruction runs (fusions, loop bodies and conditions, branches)."""
     for key in _CALL_ATTRS:
         yield from re.findall(r"%?([^\s{},%]+)", instr.attrs.get(key, ""))
 
 
-def _trip_count(instr: hlo_parse.Instr) -> int | None:
+def trip_count(instr: hlo_parse.Instr) -> int | None:
     """The while loop's trip count when XLA knows it (backend_config, JSON maybe escaped)."""
     config = instr.attrs.get("backend_config", "").replace("\\", "")
     m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', config)
@@ -238,11 +239,11 @@ def _walk(prog: _Program, comp: str, ctx, stack: tuple[str, ...],
             continue  # the -start already walked what it runs
         count, _, known = ctx
         if op == "while":
-            trips = _trip_count(instr)
+            trips = trip_count(instr)
             ctx_in = (count * (trips or 1), True, known and trips is not None)
         else:
             ctx_in = ctx
-        for callee in _called(instr):
+        for callee in called(instr):
             _walk(prog, callee, ctx_in, stack + (comp,), out)
 
 

@@ -51,15 +51,16 @@ def pipeline_mesh(mesh: Mesh, num_stages: int) -> Mesh:
 
 
 def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
-                   num_micro_batches: int) -> list:
+                   num_micro_batches: int, carry_specs: Sequence | None = None) -> list:
     """The outputs of scan `eqn` on `ins`, computed by a GPipe pipeline over the mesh's stage
-    axis. `micro_eqn` is the same scan traced on one micro-batch (its body runs per tick)."""
+    axis. `micro_eqn` is the same scan traced on one micro-batch (its body runs per tick);
+    `carry_specs`: the PartitionSpecs its layers hold the carry in (layer_scan.stage_layers)."""
     p = eqn.params
     S, M, L = num_stages, num_micro_batches, int(p["length"])
     nc, nk = p["num_consts"], p["num_carry"]
     consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + nk]), list(ins[nc + nk:])
     B = carry[0].shape[0]
-    layers = layer_scan.stage_layers(micro_eqn, L // S)
+    layers = layer_scan.stage_layers(micro_eqn, L // S, carry_specs)
 
     carry_m = [c.reshape(M, B // M, *c.shape[1:]) for c in carry]
     xs_s = [x.reshape(S, L // S, *x.shape[1:]) for x in xs]
@@ -108,6 +109,8 @@ class PipelinedGrad:
     num_stages: int
     num_micro_batches: int
     schedule: str = "gpipe"
+    carry_specs: tuple | None = None
+    """PartitionSpecs the stage body holds the scan's carries in (None: XLA propagates)."""
 
     def value_and_grad(self, fun, argnums, has_aux, args, kwargs):
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
@@ -119,7 +122,8 @@ class PipelinedGrad:
         diff_tree = jax.tree_util.tree_structure(tuple(args[a % len(args)] for a in nums))
         if self.schedule == "1f1b":
             loss, grads = spmd_1f1b.pipelined_loss_and_grad(
-                lt, flat, diff, self.mesh, self.num_stages, self.num_micro_batches)
+                lt, flat, diff, self.mesh, self.num_stages, self.num_micro_batches,
+                self.carry_specs)
             out = jax.tree_util.tree_unflatten(lt.out_tree, [loss])
             grads = jax.tree_util.tree_unflatten(diff_tree, grads)
             return ((out[0], out[1]) if has_aux else out,
@@ -128,7 +132,7 @@ class PipelinedGrad:
 
         def rewrite(eqn, ins):
             return pipelined_scan(eqn, ins, micro_eqn, self.mesh, self.num_stages,
-                                  self.num_micro_batches)
+                                  self.num_micro_batches, self.carry_specs)
 
         def loss(diff_args):
             leaves = list(flat)
@@ -147,10 +151,13 @@ class PipelinedGrad:
 
 
 def emit_spmd(fn, mesh: Mesh, num_stages: int, num_micro_batches: int, in_shardings,
-              out_shardings=None, donate_argnums=(), schedule: str = "gpipe"):
+              out_shardings=None, donate_argnums=(), schedule: str = "gpipe",
+              carry_specs: Sequence | None = None):
     """The step `fn` as one jax.jit whose shardplan.value_and_grad call runs an SPMD pipeline
-    on `mesh` (which has the stage axis), GPipe or 1F1B (shardplan.emit.spmd_1f1b)."""
-    interceptor = PipelinedGrad(mesh, num_stages, num_micro_batches, schedule)
+    on `mesh` (which has the stage axis), GPipe or 1F1B (shardplan.emit.spmd_1f1b);
+    `carry_specs` (PartitionSpecs, the plan's): the layout of the activation in the stages."""
+    interceptor = PipelinedGrad(mesh, num_stages, num_micro_batches, schedule,
+                                None if carry_specs is None else tuple(carry_specs))
 
     def step(*args):
         with intercepting(interceptor):

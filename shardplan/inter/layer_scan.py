@@ -232,16 +232,24 @@ def probe_step(fn: Callable, args: Sequence,
     return probe.found
 
 
-def stage_layers(micro_eqn, num_layers: int):
+def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None):
     """layers(consts, carry, xs) -> carry: the scan's own body over `num_layers` layers (one
     stage's), traced again rather than re-bound: inside shard_map the body's types must say
-    which values vary over the stage axis."""
+    which values vary over the stage axis. `carry_specs` (PartitionSpecs over the mesh's
+    other axes, or None): the layout every layer takes and gives its carry in, the intra-op
+    plan's (left alone, XLA's propagation may split a micro-batch's hidden dimension instead
+    of its rows and gather it at every layer)."""
     body, nk = micro_eqn.params["jaxpr"], micro_eqn.params["num_carry"]
+
+    def hold(c):
+        if carry_specs is None:
+            return list(c)
+        return [jax.lax.with_sharding_constraint(v, p) for v, p in zip(c, carry_specs)]
 
     def layers(consts, carry, xs):
         def one(c, x):
-            outs = interpret.eval_jaxpr(body, [*consts, *c, *x])
-            return outs[:nk], None
+            outs = interpret.eval_jaxpr(body, [*consts, *hold(c), *x])
+            return hold(outs[:nk]), None
 
         return list(jax.lax.scan(one, list(carry), list(xs), length=num_layers,
                                  unroll=micro_eqn.params["unroll"])[0])

@@ -1,0 +1,58 @@
+"""The SPMD pipeline judged as compiled (shardplan.inter.spmd_cost, shardplan.measure): its
+estimate, built from the stage program (the micro-batch step's layers on one stage's devices)
+with the schedule's ticks, permutes and all-reduces over the stages, against the one compiled
+SPMD program priced by the same profile (flops with the loop's trip counts); and
+pipeline="auto" with measure=True keeping the cheaper program as priced."""
+
+import re
+
+import jax
+import pytest
+
+import shardplan
+from shardplan import measure
+from shardplan.cost.hardware import get_profile
+from shardplan.options import SearchOptions
+from shardplan.search import choose
+from tests.conftest import auto_mesh
+from tests.test_spmd_pipeline import M, scanned_mlp
+
+HW = get_profile("a100-80gb")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_estimate_is_the_compiled_program_within_10_percent(schedule):
+    step, args = scanned_mlp(width=256, batch=64)
+    mesh = auto_mesh((4, 2), ("stage", "data"))
+    choice = choose(step, args, mesh, HW, SearchOptions(pipeline="spmd", num_micro_batches=M,
+                                                        schedule=schedule))
+    plan, cost = choice.plan, choice.spmd
+    assert cost.found and plan.pipeline_kind == "spmd"
+    stats, priced = measure.price_spmd(step, args, plan, mesh, HW, "float32")
+    # XLA counts the loop of ticks once; analyze() counts it M + S - 1 (2M + 2S - 2) times
+    assert stats.loop_flops > stats.flops / 2
+    assert cost.flops == pytest.approx(stats.flops, rel=0.1)
+    assert plan.estimate.comm_s == pytest.approx(priced.comm_s, rel=0.1)
+    assert priced.per_kind["collective-permute"].count == 2 * (
+        M + 3 if schedule == "gpipe" else M + 6)
+    # the step priced as price.py prices it: flops at the profile's peak plus collectives
+    total = cost.flops / HW.flops_for("float32") + plan.estimate.comm_s
+    assert total == pytest.approx(priced.total_s, rel=0.1)
+    # the stages' estimate is not the intra-op plan's scaled: memory is divided by the stages
+    assert plan.estimate.state_bytes < choice.intra.estimate.state_bytes
+    assert any(n.startswith("estimate: ") and "ticks of" in n for n in plan.notes), plan.notes
+
+
+def test_auto_with_measure_keeps_the_cheaper_program_as_priced():
+    step, args = scanned_mlp(width=256, batch=64)
+    mesh = auto_mesh((4, 2), ("stage", "data"))
+    auto = shardplan.auto(step, mesh=mesh, hardware="a100-80gb", pipeline="auto",
+                          num_micro_batches=M, schedule="gpipe", measure=True, cache=False)
+    plan = auto.plan(*args)
+    note = next(n for n in plan.notes if n.startswith("measured (compiled by XLA"))
+    spmd_s, intra_s = (float(x) for x in re.findall(r"(?:SPMD pipeline|intra-op) ([\d.]+) us",
+                                                    note))
+    assert ("kept the SPMD pipeline" in note) == (spmd_s < intra_s), note
+    assert (plan.pipeline_kind == "spmd") == (spmd_s < intra_s)
+    assert plan.model_estimate is not None  # the estimate is the compiled program's
+    jax.tree.map(lambda a, b: None, auto(*args), jax.jit(step)(*args))  # it runs
