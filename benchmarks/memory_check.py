@@ -50,17 +50,18 @@ def data_parallel_peak(step, mesh) -> int:
     """The compiled peak of the data-parallel expert plan (state replicated, batch split)."""
     from shardplan import measure
     from shardplan.analysis import hlo
-    from shardplan.api import Options, _plan_traced
     from shardplan.cost.hardware import get_profile
     from shardplan.ir.trace import trace
+    from shardplan.options import DEFAULTS
+    from shardplan.search import plan_step
     from shardplan.strategies.spec import MeshShape
 
     traced = trace(step.fn, step.args, step.state_argnums, step.batch_argnums)
-    plan, graph, _ = _plan_traced(traced, MeshShape.of(mesh), get_profile("cpu"), Options(),
-                                  device_mesh=mesh)
+    plan, graph, _ = plan_step(traced, MeshShape.of(mesh), get_profile("cpu"), DEFAULTS,
+                               device_mesh=mesh)
     dp = measure.expert_plans(graph, plan)["data_parallel"]
-    return hlo.analyze(measure.compile_plan(graph, traced, dp, mesh,
-                                            step.state_argnums)).peak_bytes
+    lowered = measure.lower_plan(graph, traced, dp, mesh, step.state_argnums)
+    return hlo.analyze(measure.compile_for_analysis(lowered)).peak_bytes
 
 
 def reported_minimum(step, mesh) -> float:
