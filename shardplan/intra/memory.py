@@ -23,9 +23,10 @@ from shardplan.cost.model import FUSED
 from shardplan.intra import ilp
 from shardplan.ir import primitives
 
-# Generators XLA:CPU runs whole on every device whatever the plan (threefry over the full
-# shape, measured on the zoo's dropout masks), then slices.
-REPLICATED_RESULTS = frozenset({"random_bits"})
+# Generators XLA:CPU runs as a loop of their own (threefry, partitioned as the plan says):
+# the two 32-bit words it draws per element are both kept (the bits are their xor, fused
+# into the readers), and the loop's counters are as large again while it runs.
+GENERATORS = frozenset({"random_bits"})
 
 # What the model does not see of XLA's buffers, as a share of its estimate: the planner plans
 # to budget / (1 + MARGIN) and says so in the plan's notes. XLA schedules the step its own
@@ -131,7 +132,9 @@ CHEAP = frozenset("""
     transpose slice pad rev iota integer_pow
 """.split())
 # Ops that are not fused whatever the table says: XLA:CPU runs them as loops of their own.
-UNFUSED = REPLICATED_RESULTS | {"threefry2x32"}
+UNFUSED = GENERATORS | {"threefry2x32"}
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                        "argmin", "reduce_and", "reduce_or"})
 
 
 def _unary(graph, node, producer) -> bool:
@@ -151,10 +154,12 @@ def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
     """(values XLA never writes, the position of each value's last read). A value is never
     written when its producer is fused into its readers: an op read once by another fused op,
     or a cheap unary op (CHEAP) that only fused ops read; the reads of such a value read its
-    producer's operand, so its last read moves to the value's."""
+    producer's operands, so their last read moves to the value's. A reduction (on XLA:CPU a
+    library fusion) takes in its producer but not the producer's own producers."""
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
     fused = FUSED - UNFUSED
     virtual: set[int] = set()
+    shallow: set[int] = set()  # nodes taken into a reduction: their operands are written
     last: dict[int, int] = {}
     for node in reversed(graph.nodes):
         for v in node.outputs:
@@ -164,11 +169,13 @@ def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
             last[v] = max(max(pos[r] for r in rs),
                           max((last[o] for r in rs for o in graph.nodes[r].outputs
                                if o in virtual), default=0))
-            if v in outputs or node.primitive not in fused:
+            if v in outputs or node.primitive not in fused or any(r in shallow for r in rs):
                 continue
             if all(graph.nodes[r].primitive in fused for r in rs) and (
                     len(rs) == 1 or (node.primitive in CHEAP and _unary(graph, node, producer))):
                 virtual.add(v)
+                if any(graph.nodes[r].primitive in REDUCTIONS for r in rs):
+                    shallow.add(node.id)
     return virtual, last
 
 
@@ -223,13 +230,10 @@ class MemoryModel:
                     if v in virtual:
                         continue
                     nbytes = sizes(v, m, k)
-                    if node.primitive in REPLICATED_RESULTS:
-                        # XLA runs the generator whole on every device, then slices: the
-                        # result is whole, and the rounds' temporaries twice it.
-                        full = np.full(len(nbytes), float(g.values[v].nbytes))
-                        self.buffers.append(Buffer(root[m], 2 * full, pos[node.id], pos[node.id],
-                                                  f"{node.primitive} {node.name} rounds"))
-                        nbytes = np.maximum(nbytes, full)
+                    if node.primitive in GENERATORS:
+                        nbytes = 2 * nbytes
+                        self.buffers.append(Buffer(root[m], nbytes, pos[node.id], pos[node.id],
+                                                  f"{node.primitive} {node.name} counters"))
                     self.buffers.append(Buffer(root[m], nbytes, pos[node.id],
                                                last[v], f"{node.primitive} {node.name}"))
                     continue
