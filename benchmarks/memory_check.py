@@ -23,6 +23,7 @@ import jax
 
 MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
 FRACTIONS = (0.0, 0.3, 0.7)  # where in [reported minimum, data parallel's peak] to budget
+TOLERANCE = 0.10  # the estimate is to be within this of the compiled peak
 
 
 def _mesh(name):
@@ -36,7 +37,7 @@ def _auto(step, mesh, budget, measure=False, time_limit=30.0):
     return shardplan.auto(step.fn, mesh=mesh, memory_budget=budget,
                           donate_argnums=step.state_argnums, state_argnums=step.state_argnums,
                           batch_argnums=step.batch_argnums, hardware="cpu", measure=measure,
-                          time_limit=time_limit)
+                          time_limit=time_limit, cache=False)
 
 
 def compiled_peak(auto_step, args) -> int:
@@ -115,7 +116,9 @@ def main(argv=None) -> int:
     jax.config.update("jax_num_cpu_devices", 8)
     from shardplan.units import fmt_bytes
 
-    print("| model | mesh | budget | estimate | compiled peak | peak/budget | est/peak | fits |")
+    print(f"measure={args.measure}")
+    print("| model | mesh | budget | estimate | compiled | compiled/budget | compiled/estimate "
+          "| fits |")
     print("|---|---|---|---|---|---|---|---|")
     bad = 0
     for model in args.models:
@@ -125,11 +128,13 @@ def main(argv=None) -> int:
                     print(f"| {r['model']} | {r['mesh']} | {fmt_bytes(r['budget'])} | "
                           f"{r['error']} | | | | |", flush=True)
                     continue
-                bad += not r["fits"]
+                off = abs(r["peak"] / r["estimate"] - 1) > TOLERANCE
+                bad += (not r["fits"]) + off
                 print(f"| {r['model']} | {r['mesh']} | {fmt_bytes(r['budget'])} | "
                       f"{fmt_bytes(r['estimate'])} | {fmt_bytes(r['peak'])} | "
-                      f"{r['peak'] / r['budget']:.3f} | {r['estimate'] / r['peak']:.3f} | "
-                      f"{'yes' if r['fits'] else 'NO'} |", flush=True)
+                      f"{r['peak'] / r['budget']:.3f} | {r['peak'] / r['estimate']:.3f}"
+                      f"{' (off)' if off else ''} | {'yes' if r['fits'] else 'NO'} |",
+                      flush=True)
     return 1 if bad else 0
 
 
