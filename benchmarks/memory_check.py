@@ -71,7 +71,7 @@ def reported_minimum(step, mesh) -> float:
     import shardplan
 
     try:
-        _auto(step, mesh, 1, time_limit=120.0).plan(*step.args)
+        _auto(step, mesh, 1, time_limit=30.0).plan(*step.args)
     except shardplan.InfeasibleMemory as e:
         if not e.exact:
             print(f"({step.name}: the least memory was not proven, {e.min_bytes:.0f} is a "
