@@ -35,7 +35,8 @@ GENERATORS = frozenset({"random_bits"})
 # model's list schedule, and its heap packs buffers with gaps (memory_analysis' temp was 5%
 # above the simulated live peak). Over the zoo at test size on 8 and 2x4 devices
 # (benchmarks/memory_check.py) XLA's activations came to 0.96-1.40x the model's: the model
-# counts them 1.4x, and says so in the plan's notes.
+# counts them 1.4x, and says so in the plan's notes. (A bf16 step compiled on CPU is no
+# evidence either way: XLA:CPU computes bf16 through f32 copies that a GPU or TPU never makes.)
 MARGIN = 0.4
 # Scalars XLA:CPU's temp allocation holds that the model does not list (a partial sum and its
 # all-reduced copy, loop counters, the offsets of 16-byte alignment): 16 bytes measured on a
