@@ -147,3 +147,33 @@ def test_points_are_the_maximal_live_sets():
             live = {i for i, (a, b) in enumerate(intervals) if a <= t <= b}
             assert any(live <= p for p in points)
         assert len({frozenset(p) for p in points}) == len(points)
+
+
+def test_a_dropout_mask_is_fused_into_its_readers_and_keeps_the_bits():
+    """XLA fuses a cheap compare into every reader: the mask is never written, the generator's
+    bits stay live until its last reader (measured on the zoo's dropout: memory.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.intra import memory
+    from shardplan.ir.lift import LiftOptions, lift
+    from shardplan.ir.trace import trace
+
+    def f(x, key):
+        mask = jax.random.bits(key, x.shape) < jnp.uint32(2**31)
+        y = jnp.where(mask, x, 0.0) @ x
+        return jnp.sum(jnp.where(mask, jnp.tanh(y), 1.0))
+
+    args = (jnp.ones((16, 16)), jax.random.key(0))
+    t = trace(f, args, (), (0,))
+    g = lift(t.closed_jaxpr, t.arg_info, LiftOptions())
+    readers = {}
+    for node in g.nodes:
+        for v in set(node.inputs):
+            readers.setdefault(v, []).append(node.id)
+    pos = memory.schedule(g)
+    virtual, last = memory.lifetimes(g, pos, readers, set(g.outputs))
+    bits = next(n.outputs[0] for n in g.nodes if n.primitive == "random_bits")
+    mask = next(n.outputs[0] for n in g.nodes if n.primitive == "lt")
+    assert mask in virtual and bits not in virtual
+    assert last[bits] == max(pos[r] for r in readers[mask]) > min(pos[r] for r in readers[mask])

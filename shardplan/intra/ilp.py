@@ -102,7 +102,7 @@ class InfeasibleMemory(Exception):
                      f"{fmt_bytes(max(min_bytes, budget))} per device; the search for the "
                      "least ran out of time)")
         if margin:
-            need += f" (the memory model's estimate plus a margin of {margin:.0%})"
+            need += f" (the memory model's estimate, its activations with a margin of {margin:.0%})"
         super().__init__(
             f"no plan fits the memory budget of {fmt_bytes(budget)} per device; {need}. Raise "
             "the budget, use more devices, or shrink the model or batch")

@@ -19,7 +19,6 @@ from shardplan.ir.graph import Graph
 from shardplan.strategies import coverage as coverage_mod
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
-from shardplan.units import fmt_bytes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,14 +136,12 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
     except ilp.InfeasibleMemory as e:
         if not options.memory_margin:
             raise
-        # The rows were held to budget / (1 + margin): the budget that would do is the
-        # rows' least times (1 + margin).
-        raise ilp.InfeasibleMemory(options.memory_budget, e.min_bytes * (1 + options.memory_margin),
-                                   e.exact, margin=options.memory_margin) from None
+        raise ilp.InfeasibleMemory(options.memory_budget, e.min_bytes, e.exact,
+                                   margin=options.memory_margin) from None
     if options.memory_budget is not None and options.memory_margin:
-        notes.append(f"planned to {fmt_bytes(inp.memory_budget)} per device, the budget less a "
-                     f"margin of {options.memory_margin:.0%} for what the memory model does not "
-                     "see of XLA's buffers")
+        notes.append(f"the memory estimate counts the step's activations with a margin of "
+                     f"{options.memory_margin:.0%} for what the memory model does not see of "
+                     "XLA's buffers (its inputs and outputs exactly)")
     if covered.replicated:
         notes.append(str(covered))
     whiles = sorted({loop.trips for loop in graph.loops if loop.kind == "while"})

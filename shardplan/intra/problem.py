@@ -27,8 +27,8 @@ class IntraOptions:
     time_limit_s: float = DEFAULTS.time_limit
     seed: int = DEFAULTS.solver_seed
     workers: int = DEFAULTS.workers
-    # The ILP plans to memory_budget / (1 + memory_margin): what the memory model does not
-    # see of XLA's buffers (intra/memory.py says what it does).
+    # The memory model counts the step's activations (1 + memory_margin) times: what it does
+    # not see of XLA's buffers (intra/memory.py says what it does).
     memory_margin: float = 0.0
     # Flat input indices whose buffers the step donates (their tied outputs reuse them);
     # None: every state input (as measure and the zoo compile it).
@@ -344,7 +344,8 @@ class Problem:
         from shardplan.intra.memory import MemoryModel
 
         if "_memory" not in self.__dict__:
-            self.__dict__["_memory"] = MemoryModel(self, self.options.donated)
+            self.__dict__["_memory"] = MemoryModel(self, self.options.donated,
+                                                  self.options.memory_margin)
         return self.__dict__["_memory"]
 
     def solver_input(self) -> ilp.SolverInput:
@@ -365,7 +366,6 @@ class Problem:
         budget = self.options.memory_budget
         base = rows = copies = row_copies = ()
         if budget is not None:
-            budget = budget / (1 + self.options.memory_margin)
             base, rows, copies, row_copies = self.memory().solver_terms(self.index, len(self.reps))
         return ilp.SolverInput(node_costs, edge_list, rows, budget, self.options.time_limit_s,
                                self.options.seed, self.options.workers,
