@@ -84,7 +84,7 @@ def _finite_max(a) -> float:
     return float(a.max()) if a.size else 0.0
 
 
-def _scale(inp: SolverInput) -> float:
+def scale_of(inp: SolverInput) -> float:
     """Seconds -> integer units: the largest finite cost maps to about 1e8 units."""
     biggest = max([_finite_max(c) for c in inp.node_costs] +
                   [_finite_max(m) for _, _, m in inp.edges] + [1e-12])
@@ -93,7 +93,7 @@ def _scale(inp: SolverInput) -> float:
 
 def build_model(inp: SolverInput, minimise_memory: bool):
     model = cp_model.CpModel()
-    scale = _scale(inp)
+    scale = scale_of(inp)
     x = [[model.NewBoolVar(f"x{i}_{k}") for k in range(len(c))] for i, c in enumerate(inp.node_costs)]
     for xs in x:
         model.AddExactlyOne(xs)

@@ -95,8 +95,8 @@ def reduce(inp: SolverInput) -> Reduced:
     """The core of `inp` (see the module's docstring) and how to expand its choices."""
     n = inp.num_nodes
     frozen = _frozen(inp)
-    keep = [np.flatnonzero(np.isfinite(c)) if i not in frozen else np.arange(len(c))
-            for i, c in enumerate(inp.node_costs)]
+    keep = [np.flatnonzero(np.isfinite(c)) if i not in frozen and np.isfinite(c).any()
+            else np.arange(len(c)) for i, c in enumerate(inp.node_costs)]
     cost = [np.asarray(c, dtype=float)[k] for c, k in zip(inp.node_costs, keep)]
     nb: list[dict[int, np.ndarray]] = [{} for _ in range(n)]  # nb[i][j]: [i's choice, j's]
     for a, b, m in inp.edges:
