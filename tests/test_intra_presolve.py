@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from shardplan.intra import presolve
-from shardplan.intra.ilp import InfeasibleMemory, SolverInput, brute_force, evaluate, solve
+from shardplan.intra.ilp import (
+    InfeasibleMemory,
+    SolverInput,
+    brute_force,
+    evaluate,
+    solve,
+)
 
 
 def chain_problem(seed, n=8, k=4, with_memory=False, ties=False):

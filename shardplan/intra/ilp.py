@@ -261,47 +261,18 @@ def greedy_choices(inp: SolverInput) -> list[tuple[int, ...]]:
 
 
 def _solve_rows(inp: SolverInput) -> Solution | None:
-    """The MIP (HiGHS) with the rows of `inp`, or where HiGHS is missing the LP then CP-SAT: a
-    Solution (objective and peak not yet evaluated), None when the time ran out first, or
-    _Infeasible when no choice fits them."""
+    """The MIP (HiGHS) with the rows of `inp`: a Solution (objective and peak not yet
+    evaluated), None when the time ran out first, or _Infeasible when no choice fits them."""
     if inp.num_nodes == 0:
         return Solution((), 0.0, 0.0, True, "presolve")
     if inp.remaining() <= 0:
         return None
-    try:
-        status, choice = linear.mip(inp)
-    except linear.Unavailable:
-        return _solve_cp_sat(inp)
+    status, choice = linear.mip(inp)
     if status == "infeasible" and inp.memory_budget is not None:
         raise _Infeasible()
     if choice is None:
         return None
     return Solution(choice, 0.0, 0.0, status == "optimal", "highs")
-
-
-def _solve_cp_sat(inp: SolverInput) -> Solution | None:
-    relaxed = linear.relaxation(inp) if inp.remaining() > 0 else None
-    if relaxed is not None:
-        fractions, _ = relaxed
-        rounded = tuple(int(np.argmax(f)) for f in fractions)
-        if all(f.max() > 1 - 1e-6 for f in fractions):
-            # An integral optimum of the relaxation is an optimum of the ILP.
-            obj, peak = evaluate(inp, rounded)
-            if inp.memory_budget is None or peak <= inp.memory_budget:
-                return Solution(rounded, obj, peak, True, "lp-integral")
-        inp = dataclasses.replace(inp, hint=rounded)
-    if inp.remaining() <= 0:
-        return None
-    model, x = cpsat.build_model(inp, minimise_memory=False)
-    solver = cpsat.solver_for(inp)
-    status = solver.Solve(model)
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        choice = tuple(next(k for k, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
-        obj, peak = evaluate(inp, choice)
-        return Solution(choice, obj, peak, status == cp_model.OPTIMAL, "cp-sat")
-    if status == cp_model.INFEASIBLE and inp.memory_budget is not None:
-        raise _Infeasible()
-    return None
 
 
 def min_memory_bound(inp: SolverInput) -> tuple[float, bool]:

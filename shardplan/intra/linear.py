@@ -1,5 +1,5 @@
-"""The intra-op SolverInput as a linear program for OR-Tools' linear solvers: its LP relaxation
-(GLOP) and the MIP itself (HiGHS: branch and cut on that LP). The model is cpsat.py's (Alpa's
+"""The intra-op SolverInput as a mixed-integer linear program, solved by HiGHS (through scipy:
+branch and cut on the LP relaxation). The model is cpsat.py's (Alpa's
 edge pairs, the memory rows); here the pair variables stay continuous: with the node choices
 integral, each pair's row and column sums make them integral too.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from ortools.linear_solver import pywraplp
+from scipy import optimize, sparse
 
 from shardplan.intra import cpsat
 
@@ -24,128 +24,115 @@ if TYPE_CHECKING:  # annotations only: ilp imports this module
 MIP_GAP = 1e-7
 
 
-def _model(lp, inp: SolverInput, integer: bool):
-    """Variables, rows and objective of `inp` in `lp`: the per-node choice variables."""
-    x = [[lp.BoolVar("") if integer else lp.NumVar(0.0, 1.0, "") for _ in c]
-         for c in inp.node_costs]
-    # Seconds -> units with the largest cost at 1e4: costs of 1e-12 s in seconds sit below
-    # HiGHS's tolerances.
+class _Sparse:
+    """The MIP as arrays: variable bounds and objective, rows as (row, column, value) triplets
+    with their bounds. The node choices are the first `num_x` variables."""
+
+    def __init__(self):
+        self.lb, self.ub, self.obj, self.triplets, self.rlo, self.rhi = [], [], [], [], [], []
+        self.num_vars = self.num_rows = 0
+
+    def variables(self, lb, ub, obj) -> np.ndarray:
+        n = len(lb)
+        self.lb.append(np.asarray(lb, float))
+        self.ub.append(np.asarray(ub, float))
+        self.obj.append(np.asarray(obj, float))
+        self.num_vars += n
+        return np.arange(self.num_vars - n, self.num_vars)
+
+    def rows(self, lo, hi) -> np.ndarray:
+        n = len(lo)
+        self.rlo.append(np.asarray(lo, float))
+        self.rhi.append(np.asarray(hi, float))
+        self.num_rows += n
+        return np.arange(self.num_rows - n, self.num_rows)
+
+    def terms(self, rows, cols, vals) -> None:
+        rows, cols = np.asarray(rows), np.asarray(cols)
+        self.triplets.append((rows, cols, np.broadcast_to(np.asarray(vals, float), rows.shape)))
+
+
+def _sparse(inp: SolverInput) -> tuple[_Sparse, list[np.ndarray]]:
+    """The model of `inp` as arrays: (the model, each node's choice variables)."""
     unit = 1e-4 * cpsat.scale_of(inp)
-    objective = lp.Objective()
-    for i, c in enumerate(inp.node_costs):
-        row = lp.Constraint(1.0, 1.0)
-        for k, v in enumerate(c):
-            row.SetCoefficient(x[i][k], 1.0)
-            if not np.isfinite(v):
-                x[i][k].SetUb(0.0)
-            elif v:
-                objective.SetCoefficient(x[i][k], unit * float(v))
+    model = _Sparse()
+    x = []
+    for c in inp.node_costs:
+        c = np.asarray(c, float)
+        finite = np.isfinite(c)
+        xs = model.variables(np.zeros(len(c)), finite, np.where(finite, c, 0.0) * unit)
+        model.terms(np.full(len(c), model.rows([1.0], [1.0])[0]), xs, 1.0)
+        x.append(xs)
     copy_terms: dict[int, list] = {}
     for pair in cpsat.pairs(inp):
-        a, b, rows, cols, m = pair.a, pair.b, pair.rows, pair.cols, pair.cost
-        ev = [[lp.NumVar(0.0, 0.0 if not np.isfinite(m[k, l]) else 1.0, "")
-               for l in range(m.shape[1])] for k in range(m.shape[0])]
-        for k in range(m.shape[0]):
-            row = lp.Constraint(0.0, 0.0)
-            for i in np.flatnonzero(rows == k):
-                row.SetCoefficient(x[a][int(i)], -1.0)
-            for l in range(m.shape[1]):
-                row.SetCoefficient(ev[k][l], 1.0)
-                if np.isfinite(m[k, l]) and m[k, l]:
-                    objective.SetCoefficient(ev[k][l], unit * float(m[k, l]))
-        for l in range(m.shape[1]):
-            row = lp.Constraint(0.0, 0.0)
-            for j in np.flatnonzero(cols == l):
-                row.SetCoefficient(x[b][int(j)], -1.0)
-            for k in range(m.shape[0]):
-                row.SetCoefficient(ev[k][l], 1.0)
+        m = pair.cost
+        ka, kb = m.shape
+        finite = np.isfinite(m)
+        e = model.variables(np.zeros(m.size), finite.ravel(),
+                            (np.where(finite, m, 0.0) * unit).ravel()).reshape(ka, kb)
+        # Each group of the pair's rows (columns) sums to its node's choices in the group.
+        r = model.rows(np.zeros(ka), np.zeros(ka))
+        model.terms(np.repeat(r, kb), e.ravel(), 1.0)
+        model.terms(r[pair.rows], x[pair.a], -1.0)
+        r = model.rows(np.zeros(kb), np.zeros(kb))
+        model.terms(np.tile(r, ka), e.ravel(), 1.0)
+        model.terms(r[pair.cols], x[pair.b], -1.0)
         for j, size in pair.copies:
-            copy_terms.setdefault(j, []).extend(
-                (ev[k][l], float(size[k, l])) for k in range(m.shape[0])
-                for l in range(m.shape[1]) if size[k, l] > 0)
-        if inp.remaining() <= 0:
-            return None
-    if inp.memory_budget is not None:
-        _memory(lp, inp, x, copy_terms)
-    objective.SetMinimization()
-    return x, unit
+            copy_terms.setdefault(j, []).append((e.ravel(), size.ravel()))
+    if inp.memory_budget is not None and (inp.memory_rows or inp.memory_base):
+        _sparse_memory(model, inp, x, copy_terms)
+    return model, x
 
 
-def _time_limit_ms(inp: SolverInput) -> int:
-    return max(1, int(1000 * min(inp.time_limit_s, inp.remaining())))
+def _sparse_memory(model: _Sparse, inp: SolverInput, x, copy_terms) -> None:
+    """The memory rows: a variable for the base and for each copy, a row per moment."""
+    def add(row, terms):
+        for n, mem in terms:
+            model.terms(np.full(len(mem), row), x[n], np.asarray(mem, float))
 
-
-def relaxation(inp: SolverInput):
-    """Solve the LP relaxation with GLOP: (per-node fractional choices, objective) or None."""
-    lp = pywraplp.Solver.CreateSolver("GLOP")
-    if lp is None:
-        return None
-    # Dual simplex: 8x faster than primal on these problems (measured on a GPT layer, 2x4 mesh).
-    lp.SetSolverSpecificParametersAsString("use_dual_simplex: true")
-    built = _model(lp, inp, integer=False)
-    if built is None:
-        return None
-    x, unit = built
-    if inp.deadline is not None:
-        lp.SetTimeLimit(_time_limit_ms(inp))
-    if lp.Solve() != pywraplp.Solver.OPTIMAL:
-        return None
-    return [np.array([v.solution_value() for v in xs]) for xs in x], lp.Objective().Value() / unit
-
-
-class Unavailable(Exception):
-    """This OR-Tools has no HiGHS."""
+    base = model.variables([0.0], [np.inf], [0.0])[0]
+    row = model.rows([0.0], [0.0])[0]
+    model.terms([row], [base], -1.0)
+    add(row, inp.memory_base)
+    sizes = model.variables(np.zeros(len(inp.copies)), np.full(len(inp.copies), np.inf),
+                            np.zeros(len(inp.copies)))
+    for j, var in enumerate(sizes):
+        row = model.rows([0.0], [0.0])[0]
+        model.terms([row], [var], -1.0)
+        for e, size in copy_terms.get(j, ()):
+            model.terms(np.full(len(e), row), e, size)
+    mem_rows = inp.memory_rows or (((),) if inp.memory_base else ())
+    for r, terms in enumerate(mem_rows):
+        row = model.rows([-np.inf], [float(inp.memory_budget)])[0]
+        model.terms([row], [base], 1.0)
+        add(row, terms)
+        copies = inp.row_copies[r] if r < len(inp.row_copies) else ()
+        model.terms(np.full(len(copies), row), sizes[list(copies)], 1.0)
 
 
 def mip(inp: SolverInput):
-    """Solve the MIP with HiGHS: ('optimal' | 'feasible', choice), ('infeasible', None) when no
-    choice fits the memory rows (proven), or ('timeout', None). The time limit is the wall
-    clock (HiGHS has no deterministic one): a solve cut short may differ between runs."""
-    lp = pywraplp.Solver.CreateSolver("HIGHS")
-    if lp is None:
-        raise Unavailable()
-    # The reported status is False whatever HiGHS accepts; its log shows the options took.
-    lp.SetSolverSpecificParametersAsString(
-        f"output_flag = false\nmip_rel_gap = {MIP_GAP}\nrandom_seed = {inp.seed}\n"
-        f"threads = {max(1, inp.workers)}")
-    built = _model(lp, inp, integer=True)
-    if built is None or inp.remaining() <= 0:
+    """Solve the MIP with HiGHS (scipy.optimize.milp: the model goes to HiGHS as arrays, where
+    OR-Tools' wrapper of it spent as long again copying a GPT layer's model in):
+    ('optimal' | 'feasible', choice), ('infeasible', None) when no choice fits the memory rows
+    (proven), or ('timeout', None). The time limit is the wall clock (HiGHS has no
+    deterministic one): a solve cut short may differ between runs; one that ends is the same."""
+    model, x = _sparse(inp)
+    if inp.remaining() <= 0:
         return "timeout", None
-    x, _ = built
-    lp.SetTimeLimit(_time_limit_ms(inp))
-    status = lp.Solve()
-    if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        choice = tuple(int(np.argmax([v.solution_value() for v in xs])) for xs in x)
-        return ("optimal" if status == pywraplp.Solver.OPTIMAL else "feasible"), choice
-    if status == pywraplp.Solver.INFEASIBLE:
+    rows, cols, vals = (np.concatenate(t) for t in zip(*model.triplets))
+    matrix = sparse.csr_matrix((vals, (rows, cols)), shape=(model.num_rows, model.num_vars))
+    integrality = np.zeros(model.num_vars)
+    integrality[:sum(len(xs) for xs in x)] = 1
+    res = optimize.milp(
+        np.concatenate(model.obj), integrality=integrality,
+        bounds=optimize.Bounds(np.concatenate(model.lb), np.concatenate(model.ub)),
+        constraints=optimize.LinearConstraint(matrix, np.concatenate(model.rlo),
+                                              np.concatenate(model.rhi)),
+        options={"time_limit": max(0.01, min(inp.time_limit_s, inp.remaining())),
+                 "mip_rel_gap": MIP_GAP, "disp": False})
+    if res.status == 2:
         return "infeasible", None
-    return "timeout", None
-
-
-def _memory(lp, inp: SolverInput, x, copy_terms) -> None:
-    """The memory rows, as cpsat writes them for CP-SAT."""
-    def add(row, terms, sign=1.0):
-        for n, mem in terms:
-            for k, v in enumerate(mem):
-                if v:
-                    row.SetCoefficient(x[n][k], row.GetCoefficient(x[n][k]) + sign * float(v))
-
-    base = lp.NumVar(0.0, lp.infinity(), "")
-    row = lp.Constraint(0.0, 0.0)
-    row.SetCoefficient(base, -1.0)
-    add(row, inp.memory_base)
-    copy_vars = []
-    for j in range(len(inp.copies)):
-        size = lp.NumVar(0.0, lp.infinity(), "")
-        row = lp.Constraint(0.0, 0.0)
-        row.SetCoefficient(size, -1.0)
-        for var, v in copy_terms.get(j, ()):
-            row.SetCoefficient(var, v)
-        copy_vars.append(size)
-    rows = inp.memory_rows or (((),) if inp.memory_base else ())
-    for r, mem_row in enumerate(rows):
-        row = lp.Constraint(-lp.infinity(), float(inp.memory_budget))
-        row.SetCoefficient(base, 1.0)
-        add(row, mem_row)
-        for j in (inp.row_copies[r] if r < len(inp.row_copies) else ()):
-            row.SetCoefficient(copy_vars[j], 1.0)
+    if res.x is None:
+        return "timeout", None
+    choice = tuple(int(np.argmax(res.x[xs])) for xs in x)
+    return ("optimal" if res.status == 0 else "feasible"), choice

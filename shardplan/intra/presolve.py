@@ -73,8 +73,7 @@ def _frozen(inp: SolverInput) -> set[int]:
 
 
 def _dominated(cost: np.ndarray, mats: list[np.ndarray], tol: float) -> np.ndarray:
-    """Mask of choices that Goldstein's criterion removes (ties: the later of equals)."""
-    k = len(cost)
+    """Mask of choices that Goldstein's criterion removes (of equals, the first stays)."""
     c = np.where(np.isfinite(cost), cost, _BIG)
     d = c[:, None] - c[None, :]  # d[b, a]: what b costs more than a, at worst
     for m in mats:
@@ -83,7 +82,7 @@ def _dominated(cost: np.ndarray, mats: list[np.ndarray], tol: float) -> np.ndarr
     np.fill_diagonal(d, np.inf)
     dead = (d < -tol).any(axis=0)
     # Strictly dominated choices are in no optimum: all go at once. Among ties, in order, a
-    # choice goes when an earlier-kept one is as good.
+    # choice goes when one still kept is as good (so the first of equals stays).
     ties = np.flatnonzero(~dead & (d <= tol).any(axis=0))
     for a in ties:
         if (~dead & (d[:, a] <= tol)).any():
