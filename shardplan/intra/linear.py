@@ -19,9 +19,10 @@ from shardplan.intra import cpsat
 if TYPE_CHECKING:  # annotations only: ilp imports this module
     from shardplan.intra.ilp import SolverInput
 
-# Relative gap at which HiGHS stops and calls its plan optimal (its default is 1e-4: a
-# plan 0.01% dearer than the best would pass as optimal).
-MIP_GAP = 1e-7
+# Relative gap at which HiGHS stops and calls its plan optimal (its default is 1e-4: a plan
+# 0.01% dearer than the best would pass as optimal). 0: HiGHS's absolute gap alone (1e-6 of
+# units where the dearest cost is 1e4), fine enough for the inputs' tie-breaks (problem.py).
+MIP_GAP = 0.0
 
 
 class _Sparse:
