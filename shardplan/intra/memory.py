@@ -18,7 +18,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy import sparse
 
 from shardplan.cost.model import FUSED
 from shardplan.intra import ilp
@@ -302,27 +301,18 @@ class MemoryModel:
     # -- a chosen plan's peak ----------------------------------------------------------------
 
     def peak(self, root_choice: Mapping[int, int]) -> float:
-        """The peak bytes per device when each root r takes choice root_choice[r]."""
-        pts = self.points()
-        if not pts:
-            return 0.0
-        live = self.__dict__.get("_live")
-        if live is None:
-            # Which buffers and copies each point holds, as 0/1 matrices (built once).
-            def incidence(col_lists, ncols):
-                rows = np.repeat(np.arange(len(col_lists)), [len(c) for c in col_lists])
-                cols = np.fromiter((c for cs in col_lists for c in cs), dtype=np.int64,
-                                   count=len(rows))
-                return sparse.csr_matrix((np.ones(len(rows)), (rows, cols)),
-                                         shape=(len(col_lists), ncols))
-            live = self.__dict__["_live"] = (
-                incidence([b for b, _ in pts], len(self.buffers)),
-                incidence([c for _, c in pts], len(self.copies)))
-        sizes = np.array([float(b.nbytes[root_choice[b.root]]) for b in self.buffers])
-        copies = np.zeros(len(self.copies))
-        for j, c in enumerate(self.copies):
+        """The peak bytes per device when each root r takes choice root_choice[r]: the most
+        bytes live at one moment, swept over the buffers' intervals (the maximum is at one of
+        the points(), where the rows are)."""
+        items = [(b.start, b.end, float(b.nbytes[root_choice[b.root]])) for b in self.buffers]
+        for c in self.copies:
             ka, kb = root_choice[c.a], root_choice[c.b]
             if c.key_a[ka] != c.key_b[kb]:
-                copies[j] = float(c.bytes_a[ka] + c.bytes_b[kb])
-        totals = live[0] @ sizes + live[1] @ copies
-        return max(0.0, float(totals.max()))
+                items.append((c.start, c.end, float(c.bytes_a[ka] + c.bytes_b[kb])))
+        if not items:
+            return 0.0
+        starts, ends, sizes = (np.array(x) for x in zip(*items))
+        change = np.zeros(int(ends.max()) + 2)
+        np.add.at(change, starts.astype(int), sizes)
+        np.add.at(change, ends.astype(int) + 1, -sizes)
+        return max(0.0, float(np.cumsum(change).max()))
