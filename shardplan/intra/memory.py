@@ -127,9 +127,9 @@ def _fused_away(graph, node, readers) -> bool:
 
 def _keys(a: Sequence, b: Sequence) -> tuple[np.ndarray, np.ndarray]:
     """Equal specs -> equal ints, across both sides."""
-    index: dict[str, int] = {}
-    ka = np.array([index.setdefault(str(s), len(index)) for s in a])
-    kb = np.array([index.setdefault(str(s), len(index)) for s in b])
+    index: dict = {}  # specs are frozen dataclasses: equal specs hash equal
+    ka = np.array([index.setdefault(s, len(index)) for s in a])
+    kb = np.array([index.setdefault(s, len(index)) for s in b])
     return ka, kb
 
 
@@ -206,6 +206,7 @@ class MemoryModel:
                 value = g.values[v]
                 if is_tensor(value) and value.ndim > 0 and v in p.producer:
                     readers.setdefault(v, []).append((p.num_inputs + node.id, i))
+        bytes_of: dict = {}  # (shape, spec) -> bytes: repeated layers read the same
         for v in sorted(readers):
             src, out_idx = p.source[v]
             rs = root[src]
@@ -219,12 +220,17 @@ class MemoryModel:
             for m, i in movers:
                 rm = root[m]
                 dsts = [p.in_spec(m, i, k) for k in range(len(p.strategies[rm]))]
-                key = (rm, tuple(map(str, dsts)))
-                if key in seen or all(d == s for d in dsts for s in srcs):
+                key = (rm, tuple(dsts))
+                if key in seen or len(set(dsts).union(srcs)) == 1:
                     continue
                 seen.add(key)
                 ka, kb = _keys(srcs, dsts)
-                nbytes = np.ceil([p.cost.value_bytes(g.values[v], d) for d in dsts])
+                value = g.values[v]
+                shape = (value.shape, value.dtype, value.itemsize)
+                for d in dsts:
+                    if (shape, d) not in bytes_of:
+                        bytes_of[(shape, d)] = p.cost.value_bytes(value, d)
+                nbytes = np.ceil([bytes_of[(shape, d)] for d in dsts])
                 at = self.pos[m - p.num_inputs]
                 self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, at, last))
                 if primitives.info(g.nodes[m - p.num_inputs].primitive).leader:
