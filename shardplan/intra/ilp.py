@@ -268,6 +268,8 @@ def _solve_rows(inp: SolverInput) -> Solution | None:
     if inp.remaining() <= 0:
         return None
     status, choice = linear.mip(inp)
+    if choice is not None and status == "optimal":
+        choice = presolve.canonical(inp, choice)
     if status == "infeasible" and inp.memory_budget is not None:
         raise _Infeasible()
     if choice is None:

@@ -169,3 +169,31 @@ def reduce(inp: SolverInput) -> Reduced:
         memory_rows=tuple(terms(row) for row in inp.memory_rows),
         copies=tuple(c._replace(a=index[c.a], b=index[c.b]) for c in inp.copies))
     return Reduced(reduced, core, tuple(keep), tuple(steps))
+
+
+def canonical(inp: SolverInput, choice, rounds: int = 20) -> tuple[int, ...]:
+    """The same-cost choice that takes, node by node, the first of its equal choices given its
+    neighbours' (repeated until none moves). A solver may return any of several optima: this
+    maps those that differ by such ties to one, so that the plan does not depend on the
+    solver's path. Without a memory budget only (a move could overflow a row)."""
+    if inp.memory_budget is not None:
+        return tuple(choice)
+    adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(inp.num_nodes)]
+    for a, b, m in inp.edges:
+        adj[a].append((b, np.asarray(m)))
+        adj[b].append((a, np.asarray(m).T))
+    finite = [abs(x) for c in inp.node_costs for x in np.asarray(c)[np.isfinite(c)]]
+    tol = TIE * max(finite, default=1.0)
+    choice = list(choice)
+    for _ in range(rounds):
+        moved = False
+        for i, c in enumerate(inp.node_costs):
+            score = np.asarray(c, dtype=float).copy()
+            for j, m in adj[i]:
+                score = score + m[:, choice[j]]
+            first = int(np.flatnonzero(score <= score[choice[i]] + tol)[0])
+            if first < choice[i]:
+                choice[i], moved = first, True
+        if not moved:
+            break
+    return tuple(choice)
