@@ -1,6 +1,7 @@
 """shardplan: auto-parallelization planner for JAX train steps."""
 
-from shardplan.api import AutoStep, auto, coverage, search
+from shardplan.api import AutoStep, auto, coverage
+from shardplan.cluster import search
 from shardplan.distributed import PlanMismatchError, global_args
 from shardplan.grad import grad, stage_boundary, value_and_grad
 from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout

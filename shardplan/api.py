@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
 from shardplan.cost.hardware import HardwareProfile, get_profile
+from shardplan.emit import spmd as spmd_mod
 from shardplan.emit.jit import emit_jit
 from shardplan.emit.pipeline import emit_pipeline
 from shardplan.ir.lift import lift
@@ -112,8 +112,8 @@ def _options(options: SearchOptions | None, search_options: dict) -> SearchOptio
 
 
 class AutoStep:
-    """A train step planned on first call for each input signature, then run as one jit (or as
-    a pipeline of programs, one per stage)."""
+    """A train step planned on first call for each input signature, then run as one jit (an
+    SPMD pipeline too), or as an MPMD pipeline of programs, one per stage."""
 
     def __init__(self, fn, mesh=None, options: SearchOptions = DEFAULTS,
                  plan: Plan | None = None, hardware: str | HardwareProfile | None = None,
@@ -172,12 +172,16 @@ class AutoStep:
         traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
         fp = fingerprint(traced.in_tree, traced.closed_jaxpr, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
-        if o.pipeline is True and distributed.is_multi_controller():
-            distributed.refuse_mpmd_pipeline()
+        multi = distributed.is_multi_controller()
+        if self._given_plan is None and multi and o.pipeline in (True, "spmd", "mpmd"):
+            # Only the SPMD pipeline runs multi-controller: process 0 plans it, all check it.
+            return self._emit_spmd(distributed.plan_spmd_once(self.fn, args, mesh, hw, o,
+                                                              traced), fp)
         # Multi-controller, pipeline="auto" plans one program: MPMD stages cannot run there.
-        if (self._given_plan is None and o.pipeline is not False
-                and not distributed.is_multi_controller()):
+        if self._given_plan is None and o.pipeline is not False and not multi:
             choice = choose(self.fn, args, mesh, hw, o, traced=traced)
+            if choice.pipelined and choice.plan.pipeline_kind == "spmd":
+                return self._emit_spmd(choice.plan, fp)
             if choice.pipelined:
                 pp = choice.pipeline
                 plan = dataclasses.replace(choice.plan, fingerprint=fp)
@@ -207,6 +211,16 @@ class AutoStep:
                                            plan.operand_specs, self.donate_argnums)
         return plan, jitted, tuple(in_shardings)
 
+    def _emit_spmd(self, plan: Plan, fp) -> tuple[Plan, Any, Any]:
+        """An SPMD pipeline plan emitted as one jit on the pipeline's mesh (shardplan.emit.spmd)."""
+        pmesh = spmd_mod.pipeline_mesh(self.mesh, len(plan.stages))
+        plan = dataclasses.replace(plan, device_mesh=pmesh, fingerprint=fp)
+        in_shardings = plan.in_shardings
+        jitted = spmd_mod.emit_spmd(self.fn, pmesh, len(plan.stages), plan.num_micro_batches,
+                                    in_shardings, plan.out_shardings, self.donate_argnums,
+                                    plan.schedule)
+        return plan, jitted, in_shardings
+
     def __call__(self, *args, **kwargs):
         args = self._positional(args, kwargs)
         _, run, in_shardings = self._entry(args)
@@ -221,7 +235,7 @@ class AutoStep:
         """jax.stages.Lowered of the planned step; args may be arrays or ShapeDtypeStructs."""
         args = self._positional(args, kwargs)
         plan, jitted, _ = self._entry(args)
-        if plan.stages:
+        if plan.stages and plan.pipeline_kind != "spmd":
             raise ValueError("this step runs as a pipeline of several programs (one per stage), "
                              "not one: call it, or use .plan(); pass pipeline=False to get one "
                              "program to lower")
@@ -315,9 +329,12 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
         memory_budget (bytes per device, an int or a string like "16GiB"), state_argnums,
         batch_argnums, time_limit, solver_seed, workers, measure (also compile the searched
         plan and the expert plans with XLA on the mesh, price each with `hardware` and keep
-        the cheapest that fits), pipeline (False: one program; True: pipeline stages on
-        submeshes; "auto": stages only where the cost model says they pay; pipelines need
-        the step's gradient taken with shardplan.value_and_grad / shardplan.grad),
+        the cheapest that fits), pipeline (False: one program; True: pipeline stages, as
+        an SPMD pipeline (one program, stages along a `stage` mesh axis) where the loss
+        runs its layers as one scan over stacked parameters, else MPMD stages on
+        submeshes; "spmd" / "mpmd": that kind only; "auto": MPMD stages only where the
+        cost model says they pay; pipelines need the step's gradient taken with
+        shardplan.value_and_grad / shardplan.grad; see docs/concepts.md#pipelines),
         num_micro_batches, num_stages, num_layers, schedule ("1f1b" or "gpipe"), hints
         (shardings to pin, the planner choosing the rest: a dict {path pattern:
         PartitionSpec} such as {"2/**": P("data")}, or a shardplan.Hints with
@@ -350,76 +367,3 @@ def coverage(fn, *args, state_argnums: Sequence[int] | None = None,
     lack of a sharding rule, how many, and their share of the step's flops."""
     traced = trace(fn, args, state_argnums, batch_argnums)
     return coverage_of(lift(traced.closed_jaxpr, traced.arg_info))
-
-
-_CLUSTER = re.compile(r"(?P<profile>.+?)(?:-(?P<n>\d+))?$")
-
-
-def parse_cluster(cluster: str) -> tuple[HardwareProfile, int | None]:
-    """"tpu-v4-32" -> (the tpu-v4 profile, 32 devices); a bare profile name gives no count."""
-    try:
-        return get_profile(cluster), None
-    except (KeyError, ValueError, FileNotFoundError):
-        m = _CLUSTER.match(cluster)
-        if not m or m.group("n") is None:
-            raise
-        return get_profile(m.group("profile")), int(m.group("n"))
-
-
-def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
-           mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None,
-           num_devices: int | None = None, options: SearchOptions | None = None,
-           **search_options) -> Plan:
-    """Plan a step for a cluster without devices: args may be ShapeDtypeStructs.
-
-    `cluster` is a hardware profile name, optionally with a device count ("tpu-v4-32"), or a
-    HardwareProfile; the mesh is `mesh_shape` (with `axis_names`) or all devices on one axis.
-    `options` (or its fields by keyword) as for shardplan.auto; one program is planned
-    (pipeline=False). With `measure=True` the searched plan and the expert plans are compiled
-    by XLA on CPU devices standing in for the cluster, priced with the profile, and the
-    cheapest that fits is kept (JAX must run as many CPU devices as the mesh has).
-    """
-    _check_fn(fn, "shardplan.search")
-    options = _options(options, search_options)
-    if options.pipeline is not False:
-        raise ValueError(f"pipeline={options.pipeline!r}: shardplan.search plans one program; "
-                         "pipeline stages are planned by shardplan.auto(..., pipeline=...) on a "
-                         "mesh; pass pipeline=False")
-    if isinstance(cluster, HardwareProfile):
-        hw, n = cluster, None
-    elif isinstance(cluster, str):
-        hw, n = parse_cluster(cluster)
-    else:
-        raise TypeError(f"cluster must be a profile name, optionally with a device count "
-                        f"('tpu-v4-32'), or a HardwareProfile; got {type(cluster).__name__} "
-                        f"{cluster!r:.60}")
-    if num_devices is not None and not (isinstance(num_devices, int) and num_devices >= 1):
-        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
-    if mesh_shape is None:
-        count = num_devices or n
-        if count is None:
-            raise ValueError(f"cluster {cluster!r} names no device count: pass mesh_shape=(...) "
-                             "or num_devices=N, or a cluster like 'tpu-v4-32'")
-        mesh_shape = (count,)
-    if (not isinstance(mesh_shape, Sequence) or isinstance(mesh_shape, str) or not mesh_shape
-            or not all(isinstance(k, (int, np.integer)) and k >= 1 for k in mesh_shape)):
-        raise ValueError(f"mesh_shape must be a tuple of positive ints such as (2, 4), got "
-                         f"{mesh_shape!r:.60}")
-    mesh_shape = tuple(int(s) for s in mesh_shape)
-    if axis_names is not None and (isinstance(axis_names, str) or not all(
-            isinstance(a, str) for a in axis_names) or len(set(axis_names)) != len(axis_names)):
-        raise ValueError(f"axis_names must be a tuple of distinct strings such as ('data', "
-                         f"'model'), got {axis_names!r:.60}")
-    names = tuple(axis_names) if axis_names else (("devices",) if len(mesh_shape) == 1 else
-                                                  tuple(f"axis{i}" for i in range(len(mesh_shape))))
-    if len(names) != len(mesh_shape):
-        raise ValueError(f"axis_names {names} and mesh_shape {mesh_shape} differ in length")
-    if num_devices is not None and num_devices != int(np.prod(mesh_shape)):
-        raise ValueError(f"num_devices={num_devices} but mesh_shape {mesh_shape} has "
-                         f"{int(np.prod(mesh_shape))} devices")
-    options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args))
-    traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
-    shape = MeshShape(names, mesh_shape)
-    plan, _, _ = measure.plan_measured(traced, shape, hw, options)
-    return dataclasses.replace(plan, fingerprint=fingerprint(traced.in_tree,
-                                                             traced.closed_jaxpr, shape))

@@ -3,6 +3,7 @@
     shardplan search configs/demo.yaml [--out DIR] [--verify] [--set model.size=gpt2-1.5b]
     shardplan bench configs/bench [--out DIR]
     shardplan show shardplan-out/plan.json
+    shardplan profile [--mesh 2x4] [--out my-cluster.yaml]
 
 Planning needs no devices. To compare the plan with the hand-written baselines fairly, both are
 compiled by XLA on CPU devices standing in for the cluster (as many as the mesh has, at most
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import math
 import os
 import sys
 import time
@@ -25,18 +28,26 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import yaml
 
 import shardplan
 from shardplan import baselines as bl
-from shardplan import bench, report
-from shardplan.cli_render import Phases, consoles, print_bench, print_run, write_outputs
+from shardplan import bench, calibrate, report
+from shardplan.cli_render import (
+    Phases,
+    consoles,
+    print_bench,
+    print_profile,
+    print_run,
+    write_outputs,
+)
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError, load_config
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.measure import compile_and_price as price_program
-from shardplan.measure import cpu_mesh, expert_plans, lower_plan
+from shardplan.measure import completer, cpu_mesh, expert_plans, lower_plan
 from shardplan.plan import PlanFileError, load_plan
-from shardplan.units import fmt_bytes
+from shardplan.units import Deadline, fmt_bytes
 from shardplan.workload import Workload, build_workload
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_TIMEOUT, EXIT_BENCH_FAILED = (
@@ -157,37 +168,45 @@ def _compile_plan(work: Workload, plan, mesh, hw, phases: Phases, notes: list[st
 
 def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: Phases,
                        notes: list[str]) -> dict[str, Any]:
-    """{baseline: its program priced, or why not} for the baselines that apply."""
-    if work.step is None:
-        return _compile_expert_plans(work, plan, mesh, hw, phases)
+    """{expert plan: its program priced, or why not}: data parallel, FSDP, Megatron / 2-D as
+    an expert writes them (shardplan.measure.expert_plans: the expert's input shardings, every
+    intermediate laid out by the ILP around them). The measured search compiled them already
+    (plan.candidates): those are reused; the others are written and compiled here."""
+    measured = {c.name: c for c in plan.candidates}
+    wanted = config.output.baselines
+    if wanted is None:
+        wanted = (list(bl.applicable_baselines(work.step, mesh)) if work.step is not None
+                  else None)
     results: dict[str, Any] = {}
-    for name in list(config.output.baselines or bl.applicable_baselines(work.step, mesh)):
-        with phases(f"compiling baseline {name}"):
-            try:
-                ins, outs = bl.baseline_shardings(name, work.step, mesh)
-                jitted = jax.jit(work.fn, in_shardings=ins, out_shardings=outs,
-                                 donate_argnums=tuple(work.state_argnums or ()))
-                _, results[name] = price_program(jitted.lower(*work.args), mesh, plan.mesh, hw,
-                                                 work.dtype)
-            except Exception as e:  # noqa: BLE001 - one failing baseline must not hide the others
-                results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    return results
-
-
-def _compile_expert_plans(work: Workload, plan, mesh, hw, phases: Phases) -> dict[str, Any]:
-    """The expert plans (shardplan.intra.experts) of a step that is no TrainStep, (fn, args)
-    from model.entry: state and batch as the tracer classifies them, compiled and priced."""
-    traced = trace(work.fn, work.args, work.state_argnums, work.batch_argnums)
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    results: dict[str, Any] = {}
-    for name, expert in expert_plans(graph, plan).items():
-        with phases(f"compiling expert plan {name}"):
-            try:
-                lowered = lower_plan(graph, traced, expert, mesh, traced.state_argnums)
-                _, results[name] = price_program(lowered, mesh, plan.mesh, hw, work.dtype)
-            except Exception as e:  # noqa: BLE001 - one failing plan must not hide the others
-                results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    return results
+    missing = [n for n in (wanted or ()) if n not in measured]
+    if wanted is None or missing:
+        traced = trace(work.fn, work.args, work.state_argnums, work.batch_argnums)
+        graph = lift(traced.closed_jaxpr, traced.arg_info)
+        options = dataclasses.replace(config.search_options(), measure=False)
+        complete = completer(graph, traced, plan.mesh, hw, options, Deadline(options.time_limit),
+                             device_mesh=mesh)
+        written = expert_plans(graph, plan, complete=complete)
+        if wanted is None:
+            wanted = list(written)
+        for name in wanted:
+            if name in measured:
+                continue
+            if name not in written:
+                results[name] = f"not an expert plan of this step on mesh {plan.mesh}"
+                continue
+            with phases(f"compiling expert plan {name}"):
+                try:
+                    lowered = lower_plan(graph, traced, written[name], mesh,
+                                         traced.state_argnums)
+                    _, results[name] = price_program(lowered, mesh, plan.mesh, hw, work.dtype)
+                except Exception as e:  # noqa: BLE001 - one failing plan must not hide others
+                    results[name] = (f"failed: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:120]}")
+    for name in wanted:
+        if name in measured:
+            c = measured[name]
+            results[name] = c.priced if c.priced is not None else f"failed: {c.error}"
+    return {name: results[name] for name in wanted}
 
 
 def compile_and_price(config: Config, work: Workload, plan, phases: Phases, notes: list[str],
@@ -243,9 +262,18 @@ def run_search(config: Config, *, verify: bool = False, phases: Phases):
     return report.Run(
         label=work.label, description=config.description, hardware=hw.name,
         budget=config.budget_bytes(), plan=plan, num_params=work.num_params, dtype=work.dtype,
-        priced_plan=priced, baselines=baselines, meshes=tried, verification=verification,
+        priced_plan=priced, searched=_searched(plan, priced), baselines=baselines, meshes=tried,
+        verification=verification,
         search_s=search_s, compile_s=compile_s, schedule=config.search.schedule,
         num_micro_batches=config.search.num_micro_batches, notes=tuple(notes))
+
+
+def _searched(plan, priced):
+    """The searched plan alone, priced: the measured selection's "searched" candidate, else
+    the plan itself (nothing was measured: the plan is the searched one)."""
+    if not plan.candidates:
+        return priced
+    return next((c.priced for c in plan.candidates if c.name == "searched"), None)
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -328,6 +356,47 @@ def cmd_show(args) -> int:
     return EXIT_OK
 
 
+def _profile_mesh(spec: str | None, devices: int) -> jax.sharding.Mesh:
+    """The mesh to measure: `spec` as "2x4" (axes named by MeshShape's defaults), else one
+    axis per process boundary (hosts x devices) or one axis over every device."""
+    procs = jax.process_count()
+    if spec:
+        try:
+            shape = tuple(int(s) for s in spec.lower().split("x"))
+        except ValueError:
+            raise ConfigError(None, f"--mesh {spec!r}: give sizes joined by x, e.g. 2x4") from None
+        if len(shape) == 2 and shape[0] == procs > 1:
+            names = ("hosts", "devices")
+        else:
+            names = {1: ("devices",), 2: ("data", "model")}.get(
+                len(shape), tuple(f"axis{i}" for i in range(len(shape))))
+    elif procs > 1:
+        shape, names = (procs, devices // procs), ("hosts", "devices")
+    else:
+        shape, names = (devices,), ("devices",)
+    if math.prod(shape) != devices or min(shape) < 1:
+        raise ConfigError(None, f"--mesh {spec!r} has {math.prod(shape)} devices; "
+                          f"this machine runs {devices}")
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def cmd_profile(args) -> int:
+    if args.devices < 1:
+        raise ConfigError(None, f"--devices must be >= 1, got {args.devices}")
+    init_cpu_devices(args.devices)  # before the backend starts; ignored by GPU and TPU runs
+    devices = len(jax.devices())
+    mesh = _profile_mesh(args.mesh, devices)
+    out, err = consoles(args.quiet)
+    cal = calibrate.measure_profile(mesh, name=args.name, repeats=args.repeats,
+                                    progress=lambda m: err.print(f"[dim]{m}[/]"))
+    path = args.out or f"{cal.profile.name}.yaml"
+    with open(path, "w") as f:
+        yaml.safe_dump(cal.profile.to_dict(), f, sort_keys=False)
+    print_profile(cal, out)
+    out.print(f"wrote {path}: use it with hardware={path!r} or cluster.hardware: {path}")
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardplan", description="Auto-parallelization planner "
                                 "for JAX train steps.", epilog=EXIT_CODES,
@@ -355,6 +424,18 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("show", help="print a saved plan's summary")
     w.add_argument("plan", help="a plan.json written by shardplan search")
     w.set_defaults(func=cmd_show)
+    r = sub.add_parser("profile", help="measure this machine's devices and links; write a "
+                       "hardware profile YAML the planner loads")
+    r.add_argument("--mesh", help="mesh to measure the links of, e.g. 2x4 (default: hosts x "
+                   "devices across processes, else one axis over every device)")
+    r.add_argument("--devices", type=int, default=8,
+                   help="CPU devices to run when the backend is the CPU (default 8)")
+    r.add_argument("--name", help="the profile's name (default: <device kind>-measured)")
+    r.add_argument("--out", help="YAML file to write (default: <name>.yaml)")
+    r.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the "
+                   "fastest counts (default 3)")
+    r.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    r.set_defaults(func=cmd_profile)
     return p
 
 

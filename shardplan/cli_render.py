@@ -1,5 +1,6 @@
 """What the `shardplan` command prints and writes: the progress of its phases, a run's
-summary and comparison tables, the bench table, plan.json / comparison.json / report.md."""
+summary and comparison tables, the bench table, a measured profile, plan.json / comparison.json /
+report.md."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rich.table import Table
 
 from shardplan import bench, report
 from shardplan.config import Config
+from shardplan.cost import ring
 from shardplan.units import fmt_bytes, fmt_seconds
 
 
@@ -129,7 +131,25 @@ def print_bench(rows: Sequence[bench.BenchRow], console) -> None:
     for r in rows:
         t.add_row(*(escape(c) for c in bench.bench_cells(r)))
     console.print(t)
-    ratios = [r.run.ratio() for r in rows if r.run is not None]
-    g = bench.geomean([x for x in ratios if x])
-    if g is not None:
-        console.print(f"geometric mean of plan / best baseline: {g:.3f}")
+    for line in bench.summary(rows):
+        console.print(line)
+
+
+def print_profile(cal, console) -> None:
+    """What `shardplan profile` measured: the profile's figures and each axis' fitted link
+    against its samples (the ring model's prediction beside the measured time)."""
+    p = cal.profile
+    console.print(f"[bold]{escape(p.name)}[/bold] ({p.backend}): {p.devices_per_host} devices "
+                  f"per host, {fmt_bytes(p.memory_bytes)} each")
+    console.print(f"  matmul: {p.peak_flops / 1e12:.3g} TFLOP/s bf16, "
+                  f"{p.peak_flops_f32 / 1e12:.3g} TFLOP/s f32 per device; memory "
+                  f"{p.mem_bandwidth / 1e9:.3g} GB/s")
+    table = Table("axis", "kind", "buffer", "measured", "model", "link")
+    for s in cal.samples:
+        link = cal.links[s.axis]
+        model = (ring.latency_steps(s.kind, s.group_size) * link.latency
+                 + ring.bytes_sent(s.kind, s.nbytes, s.group_size) / link.bandwidth)
+        table.add_row(f"{s.axis} ({s.group_size})", s.kind, fmt_bytes(s.nbytes),
+                      fmt_seconds(s.seconds), fmt_seconds(model),
+                      f"{link.bandwidth / 1e9:.3g} GB/s, {link.latency * 1e6:.3g} us")
+    console.print(table)

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from shardplan import models
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.options import DEFAULTS, Hints, SearchOptions
+from shardplan.search import mesh_shapes
 from shardplan.units import parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -127,15 +128,7 @@ class MeshSection(_Section):
         factorisations of `devices` (axes of size 1 left out)."""
         if self.shape is not None:
             return [(self.axes or _default_axes(len(self.shape)), tuple(self.shape))]
-        n = int(self.devices)
-        shapes = [(n,)] + [(a, n // a) for a in range(2, n) if n % a == 0]
-        out = []
-        for s in shapes:
-            names = _default_axes(len(s))
-            if self.axes is not None:
-                names = tuple(self.axes[-len(s):]) if len(self.axes) >= len(s) else names
-            out.append((names, s))
-        return out
+        return mesh_shapes(int(self.devices), self.axes)
 
 
 def _default_axes(ndim: int) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ process will never reach.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 
@@ -23,6 +24,7 @@ from shardplan import fingerprint as fp_mod
 from shardplan.ir.graph import Role
 from shardplan.ir.trace import trace
 from shardplan.plan import Plan
+from shardplan.search import plan_spmd, probe_spmd
 
 MPMD_REFUSAL = (
     "shardplan's MPMD pipeline runtime (pipeline=True: one program per stage on its own "
@@ -31,8 +33,9 @@ MPMD_REFUSAL = (
     "transfer arrays to devices another process owns (cross-host transfers between different "
     "device sets exist only in the TFRT TPU runtime). Use the SPMD pipeline instead: the stage "
     "axis as a mesh axis of one program (shard_map, ppermute between stages), which runs "
-    "multi-host like any jit program; or pass pipeline=False for an intra-operator plan over "
-    "the whole mesh.")
+    "multi-host like any jit program (pipeline=True or 'spmd' where the loss runs its layers "
+    "as one scan over stacked parameters{why}); or pass pipeline=False for an intra-operator "
+    "plan over the whole mesh.")
 
 
 class PlanMismatchError(RuntimeError):
@@ -63,13 +66,35 @@ def default_mesh():
                              axis_types=(auto, auto))
 
 
-def refuse_mpmd_pipeline() -> None:
-    """Raise if this is a multi-controller run: the MPMD pipeline runtime cannot run there."""
+def refuse_mpmd_pipeline(why: str | None = None) -> None:
+    """Raise if this is a multi-controller run: the MPMD pipeline runtime cannot run there.
+    `why`: why the SPMD pipeline does not apply to this step."""
     if is_multi_controller():
-        raise NotImplementedError(MPMD_REFUSAL.format(n=jax.process_count()))
+        why = f"; it does not apply to this step: {why}" if why else ""
+        raise NotImplementedError(MPMD_REFUSAL.format(n=jax.process_count(), why=why))
 
 
 # -- one plan for every process ------------------------------------------------------------------
+
+
+def plan_spmd_once(fn, args, mesh, hardware, options, traced) -> Plan:
+    """The SPMD pipeline plan of a multi-controller step (the one pipeline that runs there):
+    every process checks that it applies (tracing only) or refuses naming why; process 0
+    plans it and broadcasts it; every process checks it before the first step."""
+    if options.pipeline == "mpmd":
+        refuse_mpmd_pipeline()
+    why = probe_spmd(fn, args, mesh, options)
+    if isinstance(why, str):
+        refuse_mpmd_pipeline(why)
+
+    def obtain():
+        spmd = plan_spmd(fn, args, mesh, hardware, options, traced)
+        if isinstance(spmd, str):
+            refuse_mpmd_pipeline(spmd)
+        return spmd.plan
+
+    plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options), obtain)
+    return dataclasses.replace(plan, in_tree=traced.in_tree, out_tree=traced.out_tree)
 
 
 def plan_once(step_fingerprint: str, obtain: Callable[[], Plan], *,

@@ -87,14 +87,32 @@ def compute_dtype(graph: Graph) -> str:
 
 
 def expert_plans(graph: Graph, plan: Plan,
-                 pinned: Mapping[int, ShardSpec] | None = None) -> dict[str, Plan]:
+                 pinned: Mapping[int, ShardSpec] | None = None,
+                 complete: Callable[[dict[int, ShardSpec]], Plan] | None = None
+                 ) -> dict[str, Plan]:
     """The expert plans for this step as Plans: their input specs (but the `pinned` inputs'
-    specs, which hints fix), state outputs tied to their inputs, the other outputs replicated,
-    no constraint on any intermediate."""
+    specs, which hints fix), state outputs tied to their inputs.
+
+    As an expert writes them: data parallel is its input shardings (XLA's propagation does
+    what the expert would: activations split on the batch, gradients all-reduced). A plan
+    that splits the state is more than its inputs: with `complete` (the ILP with those inputs
+    pinned, see `completer`) every intermediate is laid out as the planner would under them:
+    FSDP gathers each weight where it is read and reduce-scatters its gradient instead of
+    XLA carrying the weights' split into the activations, Megatron splits its activations
+    with its weights (and the vocabulary with the embedding). Without `complete`, or when
+    the completion fails (time limit, memory), the inputs only, the other outputs
+    replicated, XLA propagating the rest."""
     out = {}
     pinned = pinned or {}
     for name, fixed in experts.expert_inputs(graph, plan.mesh).items():
         inputs = tuple(pinned.get(i, fixed[i]) for i in range(len(graph.inputs)))
+        splits = experts.splits_state(inputs, graph.input_roles)
+        written = _complete(complete if splits else None, dict(enumerate(inputs)))
+        if written is not None:
+            out[name] = dataclasses.replace(
+                written, notes=(), solver=f"{name} (the expert's input shardings"
+                f"{', hints pinned' if pinned else ''}; the ILP lays out the rest)")
+            continue
         outputs = tuple(inputs[tie] if tie is not None else
                         ShardSpec.replicated(graph.values[v].ndim)
                         for v, tie in zip(graph.outputs, graph.output_ties))
@@ -106,6 +124,32 @@ def expert_plans(graph: Graph, plan: Plan,
             solver=f"{name} (the expert's input shardings{', hints pinned' if pinned else ''}; "
                    "XLA propagates the rest)")
     return out
+
+
+def _complete(complete, fixed: dict[int, ShardSpec]) -> Plan | None:
+    if complete is None:
+        return None
+    try:
+        with warnings.catch_warnings():  # the searched plan has warned about the same graph
+            warnings.simplefilter("ignore")
+            return complete(fixed)
+    except (InfeasibleMemory, SearchTimeout):
+        return None
+
+
+def completer(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
+              options: SearchOptions, deadline: Deadline, **where
+              ) -> Callable[[dict[int, ShardSpec]], Plan]:
+    """fixed inputs -> the plan the ILP completes around them (no memory budget: an expert
+    plan is what it is; the measured selection judges its compiled peak), within `deadline`;
+    `where`: plan_graph's device_mesh / device_order / donated."""
+    free = dataclasses.replace(options, memory_budget=None)
+
+    def complete(fixed: dict[int, ShardSpec]) -> Plan:
+        return plan_graph(graph, traced, mesh_shape, hw, free, deadline=deadline,
+                          fixed_inputs=fixed, **where)[0]
+
+    return complete
 
 
 def cpu_mesh(mesh_shape: MeshShape) -> jax.sharding.Mesh:
@@ -174,6 +218,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
            memory_budget: float | None = None, donate_argnums: Sequence[int] = (),
            pinned: Mapping[int, ShardSpec] | None = None,
            replan: Callable[[float], Plan] | None = None,
+           complete: Callable[[dict[int, ShardSpec]], Plan] | None = None,
            progress: Callable[[str], Any] | None = None
            ) -> tuple[Plan, tuple[MeasuredProgram, ...]]:
     """Compile the searched plan and every expert plan on `mesh`, keep the cheapest priced
@@ -185,7 +230,8 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     The memory model misses some of XLA's temporaries, so a searched plan can compile over a
     budget it fitted by the estimate: then `replan(budget)` (the ILP under another budget) is
     asked again with the budget scaled by estimate / compiled peak, up to RECALIBRATIONS
-    times, and each re-plan is a candidate too."""
+    times, and each re-plan is a candidate too. `complete` lays out the expert plans'
+    intermediates (expert_plans)."""
     dtype = compute_dtype(graph)
 
     def run(name, p):
@@ -195,7 +241,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
 
     candidates = [run("searched", plan)]
     stopped = _recalibrate(candidates, run, memory_budget, replan)
-    for name, p in expert_plans(graph, plan, pinned).items():
+    for name, p in expert_plans(graph, plan, pinned, complete).items():
         candidates.append(run(name, p))
     priced = [c for c in candidates if c.priced is not None]
     if not priced:
@@ -209,7 +255,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),
                                model_estimate=best.plan.estimate,
                                notes=(*plan.notes, note), solver=solver,
-                               search_s=plan.search_s)
+                               search_s=plan.search_s, candidates=tuple(candidates))
     return kept, tuple(candidates)
 
 
@@ -301,8 +347,11 @@ def plan_measured(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile
                               donated=donated_inputs(traced, donate_argnums))[0]
 
     mesh = device_mesh if device_mesh is not None else cpu_mesh(mesh_shape)
+    complete = completer(graph, traced, mesh_shape, hw, options, deadline,
+                         device_mesh=device_mesh, device_order=device_order,
+                         donated=donated_inputs(traced, donate_argnums))
     plan, _ = select(graph, traced, plan, mesh, hw, memory_budget=options.memory_budget,
-                     donate_argnums=traced.state_argnums, replan=replan,
+                     donate_argnums=traced.state_argnums, replan=replan, complete=complete,
                      pinned=pinned_inputs(traced, mesh_shape, options))
     plan = dataclasses.replace(plan, search_s=time.perf_counter() - start,
                                device_mesh=device_mesh)

@@ -1,6 +1,6 @@
 """SearchOptions: every option of a search, with its default, in one frozen value.
 
-api.auto / api.search, the CLI and the YAML config build one and pass it down; the planners
+api.auto / cluster.search, the CLI and the YAML config build one and pass it down; the planners
 read it (shardplan.search turns it into the intra-op planner's IntraOptions).
 """
 
@@ -17,7 +17,7 @@ from shardplan.units import parse_bytes
 
 SCHEDULES = ("1f1b", "gpipe")
 """Pipeline schedules: 1F1B (PipeDream-flush) and GPipe."""
-PIPELINE_MODES = ("auto", True, False)
+PIPELINE_MODES = ("auto", True, False, "spmd", "mpmd")
 
 BACKWARD_PER_FORWARD = 2.0
 """A micro-batch's backward takes about twice its forward: a stage's time per micro-batch is
@@ -143,7 +143,10 @@ class SearchOptions:
     batch_argnums: tuple[int, ...] | None = None
     """Which arguments are the batch; default the arguments that are not state."""
     pipeline: bool | str = False
-    """False (one program), True (pipeline stages on submeshes) or "auto" (where they pay)."""
+    """False (one program); True (pipeline stages: an SPMD pipeline, one program with a
+    `stage` mesh axis, where the loss runs its layers as one scan over stacked parameters,
+    else MPMD stages on submeshes, one program each); "spmd" or "mpmd" (that kind only);
+    "auto" (MPMD stages where the cost model says they pay)."""
     num_micro_batches: int | None = None
     """Micro-batches per step of a pipeline; default the planner's choice."""
     num_stages: int | None = None
@@ -164,12 +167,13 @@ class SearchOptions:
 
     def __post_init__(self):
         object.__setattr__(self, "hints", Hints.of(self.hints))
-        if self.hints and self.pipeline is True:
+        if self.hints and self.pipeline in (True, "spmd", "mpmd"):
             raise ValueError("hints pin the shardings of one program; pipeline stages do not "
                              "take them: pass pipeline=False (or 'auto', which then plans one "
                              "program)")
         if self.pipeline not in PIPELINE_MODES:
-            raise ValueError(f"pipeline={self.pipeline!r}: use 'auto', True or False")
+            raise ValueError(f"pipeline={self.pipeline!r}: use 'auto', True, False, 'spmd' or "
+                             "'mpmd'")
         check_schedule(self.schedule)
         if not self.time_limit > 0:
             raise ValueError(f"time_limit={self.time_limit!r}: give seconds > 0")

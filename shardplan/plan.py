@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from shardplan.cost.estimate import Estimate
+from shardplan.inter import schedule as schedule_mod
 from shardplan.inter.stages import Stage, device_span
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import fmt_bytes, fmt_seconds
@@ -110,9 +111,16 @@ class Plan:
     device_mesh: Any = None  # the jax Mesh when planned for real devices
     fingerprint: Fingerprint | None = None
     """What the plan was made for (checked when a plan is adopted); None for version 1 files."""
+    pipeline_kind: str = ""
+    """"spmd" (one program, stages along the mesh's `stage` axis), "mpmd" (one program per
+    stage on its submesh) or "" (no pipeline)."""
     model_estimate: Estimate | None = None
     """The cost model's own estimate when `estimate` holds the compiled program's figures
     (measure=True, or the CLI once it compiled the plan); None when `estimate` is the model's."""
+    candidates: tuple = ()
+    """Every program the measured selection compiled and priced, or why it failed
+    (shardplan.measure.MeasuredProgram: name, plan, priced, error); in memory only, not in
+    plan files."""
 
     @property
     def estimate_source(self) -> str:
@@ -128,8 +136,8 @@ class Plan:
     # -- shardings -------------------------------------------------------------------------
 
     def _shardings(self, specs, tree):
-        if self.stages:
-            raise ValueError("a pipelined plan has no single mesh: each stage's inputs live on "
+        if self.stages and self.pipeline_kind != "spmd":
+            raise ValueError("an MPMD pipelined plan has no single mesh: each stage's inputs live on "
                              "its own submesh (see plan.stages); use plan.in_specs for the specs")
         if self.device_mesh is None:
             raise ValueError("this plan has no device mesh (it was planned with shardplan.search "
@@ -184,6 +192,7 @@ class Plan:
             "solver": self.solver,
             "num_micro_batches": self.num_micro_batches,
             "schedule": self.schedule,
+            "pipeline_kind": self.pipeline_kind,
             "notes": list(self.notes),
         }
 
@@ -265,6 +274,13 @@ class Plan:
         elif self.solver:
             console.print(f"solver: {self.solver}")
         return buf.getvalue()
+
+    def timeline(self) -> str:
+        """The pipeline's schedule as text: what each stage runs at each tick, and its bubble."""
+        if not self.stages:
+            raise ValueError("this plan has no pipeline stages (pipeline=False)")
+        return schedule_mod.timeline_text(len(self.stages), self.num_micro_batches,
+                                          self.schedule or "1f1b", self.pipeline_kind)
 
     def __repr__(self) -> str:
         return (f"Plan(mesh={dict(zip(self.mesh.names, self.mesh.sizes))}, "
@@ -362,7 +378,8 @@ class _PlanReader:
             self.check(route, list, f"operand_specs[{k}]")
             operand_specs[key] = tuple(self.spec(s, f"operand_specs[{k}]") for s in route)
         # a pipeline's specs are on its stages' submeshes, whose axes are their own
-        checked = [] if d.get("stages") else [
+        kind = self.get(d, "pipeline_kind", str, "plan", "mpmd" if d.get("stages") else "")
+        checked = [] if kind == "mpmd" else [
             *zip(in_specs, in_names), *zip(out_specs, out_names),
             *((s, f"constraint {k}") for k, s in constraints.items())]
         for spec, where in checked:
@@ -400,7 +417,7 @@ class _PlanReader:
             memory_budget=budget, ops=tuple(ops), stages=tuple(stages),
             solver=self.get(d, "solver", str, "plan", ""),
             num_micro_batches=self.get(d, "num_micro_batches", int, "plan", 1),
-            schedule=self.get(d, "schedule", str, "plan", ""),
+            schedule=self.get(d, "schedule", str, "plan", ""), pipeline_kind=kind,
             notes=tuple(self.items(d, "notes", str, "plan", ())), fingerprint=fp,
             model_estimate=model)
 

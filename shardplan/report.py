@@ -50,6 +50,9 @@ class Run:
     dtype: str = "float32"
     priced_plan: PricedStep | None = None
     """The plan compiled by XLA on CPU devices and priced; None when not compiled."""
+    searched: PricedStep | None = None
+    """The searched plan alone (before the measured selection kept the cheapest candidate)
+    compiled and priced; None when not compiled. The plan itself when nothing was measured."""
     baselines: Mapping[str, PricedStep | str] = dataclasses.field(default_factory=dict)
     """Baseline name -> its priced compiled program, or why it has none."""
     meshes: Mapping[str, float | str] = dataclasses.field(default_factory=dict)
@@ -76,6 +79,8 @@ class Run:
         out = [("plan (cost model)", e.compute_s, e.comm_s, e.total_s, e.peak_bytes, e.comm_bytes)]
         if self.priced_plan is not None:
             out.append(("plan (XLA)",) + _figures(self.priced_plan))
+        if self.searched is not None and self.searched is not self.priced_plan:
+            out.append(("searched plan alone (XLA)",) + _figures(self.searched))
         for name in _ordered(self.baselines):
             p = self.baselines[name]
             if isinstance(p, PricedStep):
@@ -116,10 +121,17 @@ class Run:
 
     def ratio(self) -> float | None:
         """plan / best baseline step time (priced alike); below 1 the plan is faster."""
+        return self._over_best(self.priced_plan)
+
+    def searched_ratio(self) -> float | None:
+        """The searched plan alone over the best baseline: what measure=False gives."""
+        return self._over_best(self.searched)
+
+    def _over_best(self, priced: PricedStep | None) -> float | None:
         best = self.best_baseline()
-        if best is None or self.priced_plan is None or best[1].total_s <= 0:
+        if best is None or priced is None or best[1].total_s <= 0:
             return None
-        return self.priced_plan.total_s / best[1].total_s
+        return priced.total_s / best[1].total_s
 
 
 def compiled_plan(plan: Plan, priced: PricedStep) -> Plan:

@@ -3,21 +3,27 @@ intra-op ILP); `choose` also plans a pipeline (shardplan.inter) and keeps the ch
 by shardplan.api, shardplan.measure and the CLI; nothing here compiles or runs a program.
 
 Import names from this module (`from shardplan.search import plan_step`): the attribute
-`shardplan.search` is the public function shardplan.api.search."""
+`shardplan.search` is the public function shardplan.cluster.search."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.cost.model import AlphaBetaCost
+from shardplan.inter import layer_scan
+from shardplan.inter import schedule as schedule_mod
 from shardplan.inter import split as split_mod
 from shardplan.inter import stages as stages_mod
 from shardplan.inter.planner import PipelinePlan, plan_pipeline
+from shardplan.inter.stages import Stage
 from shardplan.inter.tables import Cluster
 from shardplan.intra import hints as hints_mod
 from shardplan.intra.options import intra_options
@@ -31,6 +37,20 @@ from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import Deadline, fmt_seconds
 
 
+def mesh_shapes(n: int, names: Sequence[str] | None = None
+                ) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """(axis names, sizes) of every 1-D and 2-D factorisation of n devices (axes of size 1
+    left out), 1-D first: what `mesh_shape="auto"` plans. `names`: at most two axis names
+    (a 1-D mesh takes the last); default devices / (data, model)."""
+    shapes = [(n,)] + [(a, n // a) for a in range(2, n) if n % a == 0]
+    out = []
+    for sizes in shapes:
+        default = ("devices",) if len(sizes) == 1 else ("data", "model")
+        given = tuple(names[-len(sizes):]) if names and len(names) >= len(sizes) else None
+        out.append((given or default, sizes))
+    return out
+
+
 def pinned_inputs(traced: TracedStep, mesh_shape: MeshShape,
                   options: SearchOptions) -> dict[int, ShardSpec]:
     """{flat input index: spec} of the inputs the options' hints pin on `mesh_shape`."""
@@ -41,13 +61,16 @@ def pinned_inputs(traced: TracedStep, mesh_shape: MeshShape,
 def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
                options: SearchOptions, *, ilp_budget: float | None = None, device_mesh=None,
                device_order=None, start: float | None = None, deadline: Deadline | None = None,
-               donated: frozenset[int] | None = None) -> tuple[Plan, IntraPlan]:
+               donated: frozenset[int] | None = None,
+               fixed_inputs: dict[int, ShardSpec] | None = None) -> tuple[Plan, IntraPlan]:
     """The intra-op plan of the lifted step `graph` on `mesh_shape`, the ILP held to
-    `ilp_budget` (default the options' memory budget; the plan reports the options' budget)."""
+    `ilp_budget` (default the options' memory budget; the plan reports the options' budget).
+    `fixed_inputs` (flat input index -> spec) are pinned besides the hints' pins, which win."""
     start = time.perf_counter() if start is None else start
     cost = AlphaBetaCost(mesh_shape, hw, device_order)
     budget = options.memory_budget if ilp_budget is None else ilp_budget
-    fixed = pinned_inputs(traced, mesh_shape, options)
+    hinted = pinned_inputs(traced, mesh_shape, options)
+    fixed = {**(fixed_inputs or {}), **hinted}
     intra = plan_intra(graph, mesh_shape, cost, intra_options(options, budget, fixed,
                                                              deadline=deadline, donated=donated))
     ops = tuple(op_rows(graph, cost, intra))
@@ -58,7 +81,7 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
         constraints={v: intra.value_specs[v] for v in sorted(intra.constrained)},
         estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
         memory_budget=options.memory_budget, ops=ops,
-        search_s=time.perf_counter() - start, notes=intra.notes + _pinned_note(fixed, traced),
+        search_s=time.perf_counter() - start, notes=intra.notes + _pinned_note(hinted, traced),
         solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, "
                f"{intra.num_choices} choices",
         in_tree=traced.in_tree, out_tree=traced.out_tree, device_mesh=device_mesh)
@@ -128,7 +151,7 @@ def pipeline_plan(pp: PipelinePlan, hw: HardwareProfile) -> Plan:
         memory_budget=pp.memory_budget, stages=pp.stages, search_s=pp.search_s,
         solver=pp.solver, notes=pp.notes, num_micro_batches=pp.num_micro_batches,
         schedule=pp.schedule, in_tree=traced.in_tree, out_tree=traced.out_tree,
-        device_mesh=None)
+        device_mesh=None, pipeline_kind="mpmd")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -156,10 +179,20 @@ def choose(fn, args: Sequence, mesh, hardware: HardwareProfile,
     cluster = Cluster.of(mesh, hardware)
     if traced is None:
         traced = trace(fn, tuple(args), options.state_argnums, options.batch_argnums)
-    if options.pipeline is True:
+    why = f"pipeline={options.pipeline!r}: MPMD pipeline (one program per stage)"
+    if options.pipeline in (True, "spmd"):
+        spmd = plan_spmd(fn, args, mesh, hardware, options, traced)
+        if isinstance(spmd, Choice):
+            return spmd
+        if options.pipeline == "spmd":
+            raise ValueError(f"pipeline='spmd': no SPMD pipeline: {spmd}; use pipeline=True "
+                             "(MPMD stages where the layers are not one scan) or False")
+        why = (f"pipeline=True: MPMD pipeline (one program per stage, unequal stages allowed), "
+               f"not SPMD: {spmd}")
+    if options.pipeline in (True, "mpmd"):
         pp = plan_pipeline(fn, args, mesh, hardware, options,
                            min_stages=2 if options.num_stages is None else 1, traced=traced)
-        text = "pipeline=True\n" + pp.explain()
+        text = why + "\n" + pp.explain()
         return Choice(True, _with_notes(pipeline_plan(pp, hardware), text.splitlines(),
                                         replace=True), pp, None, text)
     real = not isinstance(mesh, (MeshShape, int))
@@ -199,3 +232,114 @@ def choose(fn, args: Sequence, mesh, hardware: HardwareProfile,
 def _with_notes(plan: Plan, notes, replace: bool = False) -> Plan:
     kept = () if replace else tuple(plan.notes)
     return dataclasses.replace(plan, notes=kept + tuple(notes))
+
+
+# -- SPMD pipelines ------------------------------------------------------------------------------
+
+
+def default_micro_batches(batch: int, num_stages: int) -> int:
+    """The fewest micro-batches, at least 2 per stage, that divide the batch (else the batch)."""
+    return next((m for m in range(2 * num_stages, batch + 1) if batch % m == 0), batch)
+
+
+def _shape_of(mesh) -> MeshShape:
+    if isinstance(mesh, MeshShape):
+        return mesh
+    return MeshShape(("devices",), (int(mesh),)) if isinstance(mesh, int) else MeshShape.of(mesh)
+
+
+def probe_spmd(fn, args: Sequence, mesh, options: SearchOptions) -> layer_scan.LossTrace | str:
+    """The step's loss traced for an SPMD pipeline on `mesh` (stages: options.num_stages, the
+    mesh's `stage` axis, or gcd(layers, devices); micro-batches: options.num_micro_batches or
+    default_micro_batches), or why it cannot be one. Traces only: every process may ask."""
+    shape = _shape_of(mesh)
+    n, names = shape.num_devices, tuple(shape.names)
+
+    def pick(scan):
+        S = options.num_stages or (shape.sizes[names.index(layer_scan.STAGE_AXIS)]
+                                   if layer_scan.STAGE_AXIS in names else math.gcd(scan.length, n))
+        if S < 2:
+            raise ValueError(f"no stage count of 2 or more divides both the {scan.length} layers "
+                             f"and the {n} devices; pass num_stages=")
+        M = options.num_micro_batches or default_micro_batches(scan.batch or 1, S)
+        return S, M
+
+    lt = layer_scan.probe_step(fn, args, pick)
+    if isinstance(lt, str) or lt.obstacle is not None:
+        return lt if isinstance(lt, str) else lt.obstacle
+    try:
+        layer_scan.pipeline_mesh_shape(shape.names, shape.sizes, lt.num_stages)
+    except ValueError as e:
+        return str(e)
+    return lt
+
+
+def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: SearchOptions,
+              traced: TracedStep) -> Choice | str:
+    """The SPMD pipeline of the step (shardplan.emit.spmd) where its loss runs its layers as
+    one scan over stacked parameters, or why not. Stages split the scan's layers equally along
+    the mesh's `stage` axis; the step's intra-op plan on one stage's devices (the other axes)
+    lays out every input, the stacked parameters (and what has their shape: the optimizer's
+    moments) split over the stages on their layer dimension."""
+    shape = _shape_of(mesh)
+    lt = probe_spmd(fn, args, mesh, options)
+    if isinstance(lt, str):
+        return lt
+    S, M, L = lt.num_stages, lt.num_micro_batches, lt.scan.length
+    p_names, p_sizes = layer_scan.pipeline_mesh_shape(shape.names, shape.sizes, S)
+    rest = [(a, k) for a, k in zip(p_names, p_sizes) if a != layer_scan.STAGE_AXIS]
+    if not rest:
+        return (f"the mesh has only the {layer_scan.STAGE_AXIS!r} axis: give it a second axis "
+                "(of size 1 if need be) for the intra-op plan of a stage")
+    sub = MeshShape(tuple(a for a, _ in rest), tuple(k for _, k in rest))
+    intra, _, _ = plan_step(traced, sub, hardware, options.replace(pipeline=False, measure=False))
+    stacked = {s for s in lt.scan.xs_shapes if s and s[0] == L}
+    ins = []
+    for spec, aval in zip(intra.input_specs, traced.in_avals):
+        if tuple(aval.shape) in stacked:
+            spec = ShardSpec(((layer_scan.STAGE_AXIS,), *spec.dims[1:]), spec.partial)
+        ins.append(spec)
+    ties = traced.arg_info.ties
+    outs = tuple(ins[t] if t is not None else o for t, o in zip(ties, intra.output_specs))
+    sched = options.schedule
+    bubble = schedule_mod.bubble_fraction(S, M, sched, "spmd")
+    ticks = M + S - 1 if sched == "gpipe" else M + 2 * S - 2
+    # GPipe: M+S-1 ticks forward and as many backward; 1F1B: M+2S-2 ticks of a forward and a
+    # backward that recomputes the forward (B = 2F: 4/3 of a forward and backward)
+    scale = ticks / (M * S) * (1.0 if sched == "gpipe" else 4.0 / 3.0)
+    e = intra.estimate
+    est = dataclasses.replace(e, compute_s=e.compute_s * scale, comm_s=e.comm_s * scale,
+                              bubble_fraction=bubble)
+    per = dataclasses.replace(est, compute_s=est.compute_s / M, comm_s=est.comm_s / M)
+    ids = _stage_devices(mesh, shape, p_names, p_sizes)
+    stages = tuple(Stage((s * L // S, (s + 1) * L // S - 1), sub.sizes, ids[s], per)
+                   for s in range(S))
+    how = (f"GPipe: {M} micro-batches, {ticks} ticks forward and as many backward (JAX's "
+           f"autodiff through the loop), bubble (S-1)/(M+S-1) = {S - 1}/{ticks} = {bubble:.1%}"
+           if sched == "gpipe" else
+           f"1F1B: {M} micro-batches, one loop of {ticks} ticks, each stage running a forward "
+           f"and a backward (jax.vjp, its forward recomputed from the kept input) of different "
+           f"micro-batches per tick, at most {min(M, 2 * S - 1)} inputs kept per stage; bubble "
+           f"(2S-2)/(M+2S-2) = {2 * S - 2}/{ticks} = {bubble:.1%}")
+    why = (f"pipeline={options.pipeline!r}: SPMD pipeline: the loss runs its {L} layers as "
+           f"one scan over stacked parameters, so {S} equal stages of {L // S} layers run in "
+           f"one program (shard_map over {layer_scan.STAGE_AXIS!r}, ppermute between stages; "
+           f"embedding, head and update outside it on every device)")
+    estimate = (f"estimate: the step's intra-op plan on one stage's {sub.num_devices} devices "
+                f"({' x '.join(f'{a}={k}' for a, k in rest)}), its time scaled by the "
+                f"schedule ({scale:.3f}); memory as that plan's (not divided by the stages)")
+    notes = (why, how, estimate)
+    plan = dataclasses.replace(
+        intra, mesh=MeshShape(p_names, p_sizes), input_specs=tuple(ins), output_specs=outs,
+        constraints={}, operand_specs={}, estimate=est, stages=stages, notes=notes,
+        num_micro_batches=M, schedule=sched, pipeline_kind="spmd", ops=(),
+        memory_budget=options.memory_budget)
+    return Choice(True, plan, None, intra, "\n".join(notes))
+
+
+def _stage_devices(mesh, shape: MeshShape, names, sizes) -> list[tuple[int, ...]]:
+    """The device ids of each stage (mesh order) of the pipeline mesh `names` x `sizes`."""
+    ids = (np.asarray([d.id for d in mesh.devices.flat]) if hasattr(mesh, "devices")
+           else np.arange(shape.num_devices)).reshape(sizes)
+    ids = np.moveaxis(ids, list(names).index(layer_scan.STAGE_AXIS), 0)
+    return [tuple(int(i) for i in row.flat) for row in ids]

@@ -22,27 +22,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """What each of the two processes saw, by process index."""
-    tmp = tmp_path_factory.mktemp("multihost")
+def launch(worker: pathlib.Path, tmp: pathlib.Path, timeout_s: int = TIMEOUT_S) -> list[dict]:
+    """Run `worker` as 2 processes (PORT PROCESS_ID OUT.json); what each saw, by index."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "WORKER_STACKS_AFTER_S": str(TIMEOUT_S - 20)}
+           "WORKER_STACKS_AFTER_S": str(timeout_s - 20)}
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i),
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i),
                                str(tmp / f"out{i}.json")],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+            logs.append(p.communicate(timeout=timeout_s)[0])
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
         tails = [p.communicate()[0][-3000:] for p in procs]
-        pytest.fail(f"the 2-process job did not finish in {TIMEOUT_S} s (a hang?):\n"
+        pytest.fail(f"the 2-process job did not finish in {timeout_s} s (a hang?):\n"
                     + "\n".join(f"process {i}:\n{t}" for i, t in enumerate(tails)))
     outs = []
     for i, (p, log) in enumerate(zip(procs, logs)):
@@ -52,6 +50,12 @@ def results(tmp_path_factory):
         assert "exception" not in out, f"process {i}:\n{out['exception']}\n{log[-2000:]}"
         outs.append(out)
     return outs
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """What each of the two processes saw, by process index."""
+    return launch(WORKER, tmp_path_factory.mktemp("multihost"))
 
 
 @pytest.mark.multiprocess

@@ -82,3 +82,73 @@ def dispatch_order(num_stages: int, num_micro_batches: int, schedule: str
     rows = simulate(num_stages, num_micro_batches, schedule, [1.0] * num_stages,
                     [BACKWARD_PER_FORWARD] * num_stages)
     return [(k, s, m) for s, k, m, _, _ in rows]
+
+
+def tick_grid(num_stages: int, num_micro_batches: int, schedule: str,
+              kind: str = "mpmd") -> list[list[str]]:
+    """What each stage runs at each tick ("F3", "B0", "" idle) when a forward and a backward
+    each take one tick. An SPMD pipeline ("spmd", GPipe) runs M + S - 1 forward ticks, stage s
+    on micro-batch t - s at tick t, then the same loop backward (JAX's autodiff through it):
+    micro-batches in reverse order."""
+    S, M = int(num_stages), int(num_micro_batches)
+    if kind == "spmd" and schedule == "1f1b":
+        # one loop of M + 2S - 2 ticks, each running a forward slot and a backward slot
+        def cell(s, t):
+            f, b = t - s, t - (2 * S - 2 - s)
+            return (f"F{f}" if 0 <= f < M else "") + (f"B{b}" if 0 <= b < M else "")
+
+        return [[cell(s, t) for t in range(M + 2 * S - 2)] for s in range(S)]
+    if kind == "spmd":
+        T = M + S - 1
+        fwd = [[f"F{t - s}" if 0 <= t - s < M else "" for t in range(T)] for s in range(S)]
+        bwd = [[f"B{T - 1 - u - s}" if 0 <= T - 1 - u - s < M else "" for u in range(T)]
+               for s in range(S)]
+        return [f + b for f, b in zip(fwd, bwd)]
+    rows = simulate(S, M, schedule, [1.0] * S, [1.0] * S)
+    end = round(max(r[4] for r in rows))
+    grid = [[""] * end for _ in range(S)]
+    for s, k, m, start, _ in rows:
+        grid[s][round(start)] = f"{k}{m}"
+    return grid
+
+
+def timeline_text(num_stages: int, num_micro_batches: int, schedule: str,
+                  kind: str = "mpmd") -> str:
+    """The schedule as a table of ticks (tick_grid) with its bubble: (S - 1) / (M + S - 1) of
+    every stage's ticks idle when stages take equal time."""
+    S, M = int(num_stages), int(num_micro_batches)
+    grid = tick_grid(S, M, schedule, kind)
+    ticks = len(grid[0])
+    name = "GPipe" if schedule == "gpipe" else "1F1B"
+    where = ("SPMD (one program, ppermute between stages)" if kind == "spmd"
+             else "MPMD (one program per stage)")
+    w = max(3, *(len(c) + 1 for row in grid for c in row))
+    both = kind == "spmd" and schedule == "1f1b"
+    what = ("a forward slot and a backward slot per stage per tick, on different micro-batches"
+            if both else "a forward or a backward of one micro-batch on one stage per tick")
+    lines = [f"{name} {where}: {S} stages x {M} micro-batches, {ticks} ticks ({what})",
+             "tick    " + "".join(f"{t:>{w}}" for t in range(ticks))]
+    lines += [f"stage {s:<2}" + "".join(f"{c or '.':>{w}}" for c in row)
+              for s, row in enumerate(grid)]
+    if both:
+        idle = sum(2 - (c.count("F") + c.count("B")) for row in grid for c in row)
+        lines.append(f"bubble: {idle} of {2 * S * ticks} stage-slots idle = "
+                     f"{idle / (2 * S * ticks):.1%}; (2S-2)/(M+2S-2) = {2 * S - 2}/"
+                     f"{M + 2 * S - 2} = {bubble_fraction(S, M, schedule, kind):.1%}")
+    else:
+        idle = sum(c == "" for row in grid for c in row)
+        lines.append(f"bubble: {idle} of {S * ticks} stage-ticks idle = "
+                     f"{idle / (S * ticks):.1%}; (S-1)/(M+S-1) = {S - 1}/{M + S - 1} = "
+                     f"{bubble_fraction(S, M, schedule, kind):.1%}")
+    return "\n".join(lines)
+
+
+def bubble_fraction(num_stages: int, num_micro_batches: int, schedule: str,
+                    kind: str = "mpmd") -> float:
+    """The idle share of a stage's time with equal stages: (S-1)/(M+S-1), GPipe or 1F1B; the
+    SPMD 1F1B loop runs a forward and a backward slot every one of its M+2S-2 ticks, idle
+    in (2S-2)/(M+2S-2) of them."""
+    S, M = int(num_stages), int(num_micro_batches)
+    if kind == "spmd" and schedule == "1f1b":
+        return (2 * S - 2) / (M + 2 * S - 2)
+    return (S - 1) / (M + S - 1)

@@ -169,14 +169,14 @@ class Problem:
             # A tie-break, not a cost (the ops that read an input pay its traffic): a
             # thousandth of the time to read it once, so that where nothing else decides,
             # smaller shards (the batch split, the state sharded) win.
-            # A batch input split, but not on its leading (batch) dimension, pays it twice:
-            # where the split dimension is a tie, the batch is split, as users expect.
+            # A batch input split off its leading (batch) dimension pays the read once more:
+            # where the two tie, the batch split the user expects wins.
             value = self.graph.values[self.graph.inputs[m]]
             spec = self.strategies[m][k].out_specs[0]
             read = self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth
-            off_batch = (self.graph.input_roles[m] == Role.BATCH and spec.dims
+            off_batch = (self.graph.input_roles[m] == Role.BATCH and value.shape
                          and not spec.dims[0] and not spec.is_replicated())
-            return (2e-3 if off_batch else 1e-3) * read, 0.0
+            return 1e-3 * read * (2.0 if off_batch else 1.0), 0.0
         if m >= self.num_real:
             return 0.0, 0.0
         key = (m, k)

@@ -130,3 +130,32 @@ def _run_loop(graph: Graph, loop: Loop, env: dict, hooks: Hooks) -> None:
         if k < nc:
             x = hooks.operand(loop.leave[k], 0, x)
         env[r] = hooks.value(r, x)
+
+
+def eval_jaxpr(closed, args: Sequence, override: dict[int, Callable] | None = None) -> list:
+    """The outputs of a ClosedJaxpr on `args`, its top-level equations bound again; equation i
+    in `override` runs `override[i](eqn, inputs) -> outputs` instead (the SPMD pipeline's
+    rewrite of a scan over layers)."""
+    jaxpr, consts = _compat.open_jaxpr(closed)
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    run_eqns(jaxpr.eqns, env, override)
+    return [read_var(env, v) for v in jaxpr.outvars]
+
+
+def read_var(env: dict, v):
+    """A jaxpr variable's value from `env` (a Literal's own value)."""
+    return v.val if isinstance(v, _compat.Literal) else env[v]
+
+
+def run_eqns(eqns: Sequence, env: dict, override: dict[int, Callable] | None = None) -> dict:
+    """Bind `eqns` again in order, reading and writing `env` (jaxpr variable -> value);
+    `override` as for eval_jaxpr, by position in `eqns`."""
+    override = override or {}
+    for i, eqn in enumerate(eqns):
+        ins = [read_var(env, v) for v in eqn.invars]
+        outs = override[i](eqn, ins) if i in override else _compat.bind_eqn(eqn, ins)
+        for v, x in zip(eqn.outvars, outs):
+            if not _compat.is_drop_var(v):
+                env[v] = x
+    return env

@@ -1,0 +1,73 @@
+"""Does the cost model agree with the compiled program? For zoo models on 8 and 2x4 CPU
+devices: the plan's predicted communication bytes and step time (compute, communication)
+against the compiled program priced by the same profile (shardplan.analysis.price).
+
+    .venv/bin/python benchmarks/model_check.py                        # test size, a100 + cpu
+    .venv/bin/python benchmarks/model_check.py --models gpt --size gpt2-124m --meshes 2x4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
+
+
+def check(name: str, size: str, mesh_name: str, profile: str, batch: int | None):
+    import shardplan
+    from shardplan import measure
+    from shardplan.cost.hardware import get_profile
+    from shardplan.models import get_model
+
+    shape, names = MESHES[mesh_name]
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    kw = {} if batch is None else {"batch_size": batch}
+    m = get_model(name, size, abstract=size != "tiny", **kw)
+    step = shardplan.auto(m.fn, mesh=mesh, hardware=profile, state_argnums=m.state_argnums,
+                          batch_argnums=m.batch_argnums, donate_argnums=m.state_argnums)
+    plan = step.plan(*m.args)
+    hw = get_profile(profile)
+    _, priced = measure.compile_and_price(step.lower(*m.args), mesh, plan.mesh, hw,
+                                          "float32" if m.config.dtype == "float32" else "bfloat16")
+    e = plan.estimate
+    return (e.comm_bytes, priced.bytes_sent, e.compute_s, priced.compute_s, e.comm_s,
+            priced.comm_s, e.total_s, priced.total_s)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["mlp", "gpt", "bert", "moe", "wresnet",
+                                                     "vit", "llama"])
+    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--meshes", nargs="+", default=["8", "2x4"])
+    ap.add_argument("--profiles", nargs="+", default=["a100-80gb", "cpu"])
+    ap.add_argument("--batch", type=int, default=None)
+    args = ap.parse_args(argv)
+    jax.config.update("jax_num_cpu_devices", 8)
+    print("| model | mesh | profile | bytes pred/compiled | compute pred/compiled | "
+          "comm pred/compiled | step pred/compiled |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models:
+        for mesh in args.meshes:
+            for profile in args.profiles:
+                try:
+                    r = check(name, args.size, mesh, profile, args.batch)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"| {name} | {mesh} | {profile} | {type(e).__name__}: {e} |||||")
+                    continue
+
+                def ratio(a, b):
+                    return f"{a / b:.3f}" if b else ("1.000" if not a else "inf")
+
+                print(f"| {name} | {mesh} | {profile} | {ratio(r[0], r[1])} ({r[1] / 2**20:.2f} "
+                      f"MiB) | {ratio(r[2], r[3])} | {ratio(r[4], r[5])} | "
+                      f"{ratio(r[6], r[7])} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""shardplan.search: plan a step for a cluster without devices (abstract inputs, a hardware
+profile, a mesh shape or "auto"). The decorator, shardplan.auto, is shardplan.api."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from shardplan import hints as hints_mod
+from shardplan import measure
+from shardplan.api import _check_fn, _options
+from shardplan.cost.hardware import HardwareProfile, get_profile
+from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
+from shardplan.ir.trace import trace
+from shardplan.options import SearchOptions
+from shardplan.plan import Plan, fingerprint
+from shardplan.search import mesh_shapes
+from shardplan.strategies.spec import MeshShape
+from shardplan.units import fmt_bytes, fmt_seconds
+
+_CLUSTER = re.compile(r"(?P<profile>.+?)(?:-(?P<n>\d+))?$")
+
+
+def parse_cluster(cluster: str) -> tuple[HardwareProfile, int | None]:
+    """"tpu-v4-32" -> (the tpu-v4 profile, 32 devices); a bare profile name gives no count."""
+    try:
+        return get_profile(cluster), None
+    except (KeyError, ValueError, FileNotFoundError):
+        m = _CLUSTER.match(cluster)
+        if not m or m.group("n") is None:
+            raise
+        return get_profile(m.group("profile")), int(m.group("n"))
+
+
+def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
+           mesh_shape: Sequence[int] | str | None = None,
+           axis_names: Sequence[str] | None = None, num_devices: int | None = None,
+           options: SearchOptions | None = None, **search_options) -> Plan:
+    """Plan a step for a cluster without devices: args may be ShapeDtypeStructs.
+
+    `cluster` is a hardware profile name, optionally with a device count ("tpu-v4-32"), or a
+    HardwareProfile; the mesh is `mesh_shape` (with `axis_names`) or all devices on one axis.
+    `mesh_shape="auto"` plans every 1-D and 2-D factorisation of the devices (axes named
+    `axis_names`, default devices / data, model) and keeps the cheapest plan; its notes list
+    every mesh tried. `options` (or its fields by keyword) as for shardplan.auto; one program
+    is planned (pipeline=False). With `measure=True` the searched plan and the expert plans
+    are compiled by XLA on CPU devices standing in for the cluster, priced with the profile,
+    and the cheapest that fits is kept (JAX must run as many CPU devices as the mesh has).
+    """
+    _check_fn(fn, "shardplan.search")
+    options = _options(options, search_options)
+    if options.pipeline is not False:
+        raise ValueError(f"pipeline={options.pipeline!r}: shardplan.search plans one program; "
+                         "pipeline stages are planned by shardplan.auto(..., pipeline=...) on a "
+                         "mesh; pass pipeline=False")
+    if isinstance(cluster, HardwareProfile):
+        hw, n = cluster, None
+    elif isinstance(cluster, str):
+        hw, n = parse_cluster(cluster)
+    else:
+        raise TypeError(f"cluster must be a profile name, optionally with a device count "
+                        f"('tpu-v4-32'), or a HardwareProfile; got {type(cluster).__name__} "
+                        f"{cluster!r:.60}")
+    if num_devices is not None and not (isinstance(num_devices, int) and num_devices >= 1):
+        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    if mesh_shape is None or mesh_shape == "auto":
+        count = num_devices or n
+        if count is None:
+            raise ValueError(f"cluster {cluster!r} names no device count: pass mesh_shape=(...) "
+                             "or num_devices=N, or a cluster like 'tpu-v4-32'")
+        if mesh_shape == "auto":
+            return _search_meshes(fn, abstract_args, hw, count, axis_names, options)
+        mesh_shape = (count,)
+    if (not isinstance(mesh_shape, Sequence) or isinstance(mesh_shape, str) or not mesh_shape
+            or not all(isinstance(k, (int, np.integer)) and k >= 1 for k in mesh_shape)):
+        raise ValueError(f"mesh_shape must be a tuple of positive ints such as (2, 4), or "
+                         f"'auto', got {mesh_shape!r:.60}")
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    if axis_names is not None and (isinstance(axis_names, str) or not all(
+            isinstance(a, str) for a in axis_names) or len(set(axis_names)) != len(axis_names)):
+        raise ValueError(f"axis_names must be a tuple of distinct strings such as ('data', "
+                         f"'model'), got {axis_names!r:.60}")
+    names = tuple(axis_names) if axis_names else (("devices",) if len(mesh_shape) == 1 else
+                                                  tuple(f"axis{i}" for i in range(len(mesh_shape))))
+    if len(names) != len(mesh_shape):
+        raise ValueError(f"axis_names {names} and mesh_shape {mesh_shape} differ in length")
+    if num_devices is not None and num_devices != int(np.prod(mesh_shape)):
+        raise ValueError(f"num_devices={num_devices} but mesh_shape {mesh_shape} has "
+                         f"{int(np.prod(mesh_shape))} devices")
+    options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args))
+    traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
+    shape = MeshShape(names, mesh_shape)
+    plan, _, _ = measure.plan_measured(traced, shape, hw, options)
+    return dataclasses.replace(plan, fingerprint=fingerprint(traced.in_tree,
+                                                             traced.closed_jaxpr, shape))
+
+
+def _search_meshes(fn, abstract_args, hw: HardwareProfile, count: int,
+                   axis_names: Sequence[str] | None, options: SearchOptions) -> Plan:
+    """mesh_shape="auto": the cheapest plan over every 1-D and 2-D mesh of `count` devices,
+    the time limit shared among them (each gets what is left over the meshes still to plan)."""
+    if axis_names is not None and (isinstance(axis_names, str) or len(axis_names) > 2):
+        raise ValueError(f"with mesh_shape='auto', axis_names gives at most 2 names (for the "
+                         f"1-D and 2-D meshes), got {axis_names!r:.60}")
+    meshes = mesh_shapes(count, axis_names)
+    end = time.monotonic() + options.time_limit
+    best, tried, least = None, [], None
+    for k, (names, sizes) in enumerate(meshes):
+        label = " x ".join(f"{a}={s}" for a, s in zip(names, sizes))
+        share = max((end - time.monotonic()) / (len(meshes) - k), 0.5)
+        try:
+            plan = search(fn, *abstract_args, cluster=hw, mesh_shape=sizes, axis_names=names,
+                          options=options.replace(time_limit=share))
+        except InfeasibleMemory as e:
+            least = e.min_bytes if least is None else min(least, e.min_bytes)
+            tried.append(f"{label}: no plan fits (needs {fmt_bytes(e.min_bytes)})")
+            continue
+        except SearchTimeout:
+            tried.append(f"{label}: the time limit ran out")
+            continue
+        tried.append(f"{label}: {fmt_seconds(plan.estimate.total_s)}")
+        if best is None or plan.estimate.total_s < best.estimate.total_s:
+            best = plan
+    if best is None:
+        if least is not None:
+            raise InfeasibleMemory(options.memory_budget, least)
+        raise SearchTimeout(options.time_limit, f"on every mesh of {count} devices "
+                            f"({'; '.join(tried)})")
+    kept = " x ".join(f"{a}={s}" for a, s in zip(best.mesh.names, best.mesh.sizes))
+    note = f"mesh_shape='auto': planned {'; '.join(tried)}; kept {kept}"
+    return dataclasses.replace(best, notes=(*best.notes, note))
