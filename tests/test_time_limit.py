@@ -59,5 +59,5 @@ def test_time_limit_bounds_the_whole_search(make):
     assert wall < 4 * BOUND_S, wall
     if "memory_budget" in kw:
         assert plan.estimate.peak_bytes <= 2**20
-    if not plan.solver.endswith("(optimal)"):
+    if "(optimal)" not in plan.solver:  # "<solver> (optimal), N choices"
         assert any("cut short by the time limit" in n for n in plan.notes), plan.notes

@@ -1,6 +1,7 @@
-"""The CP-SAT model and the LP relaxation of an intra-op SolverInput: variables, the edge
-pairs (Alpa's formulation), the memory rows, solver parameters. shardplan.intra.ilp drives
-them (solve, lazy memory rows, the least memory)."""
+"""The CP-SAT model of an intra-op SolverInput: variables, the edge pairs (Alpa's
+formulation), the memory rows, solver parameters. shardplan.intra.ilp drives it (the least
+memory; the cost when HiGHS is missing); shardplan.intra.linear writes the same model for
+linear solvers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
-from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 if TYPE_CHECKING:  # annotations only: ilp imports this module
@@ -48,7 +48,7 @@ class _Pair:
     copies: tuple[tuple[int, np.ndarray], ...]
 
 
-def _pairs(inp: SolverInput) -> list[_Pair]:
+def pairs(inp: SolverInput) -> list[_Pair]:
     """The edges, then pairs of nodes that only copies join, each compressed once."""
     on: dict[tuple[int, int], list[int]] = {}
     for j, c in enumerate(inp.copies):
@@ -84,7 +84,7 @@ def _finite_max(a) -> float:
     return float(a.max()) if a.size else 0.0
 
 
-def _scale(inp: SolverInput) -> float:
+def scale_of(inp: SolverInput) -> float:
     """Seconds -> integer units: the largest finite cost maps to about 1e8 units."""
     biggest = max([_finite_max(c) for c in inp.node_costs] +
                   [_finite_max(m) for _, _, m in inp.edges] + [1e-12])
@@ -93,7 +93,7 @@ def _scale(inp: SolverInput) -> float:
 
 def build_model(inp: SolverInput, minimise_memory: bool):
     model = cp_model.CpModel()
-    scale = _scale(inp)
+    scale = scale_of(inp)
     x = [[model.NewBoolVar(f"x{i}_{k}") for k in range(len(c))] for i, c in enumerate(inp.node_costs)]
     for xs in x:
         model.AddExactlyOne(xs)
@@ -106,7 +106,7 @@ def build_model(inp: SolverInput, minimise_memory: bool):
             elif v > 0:
                 objective.append(round(float(v) * scale) * x[i][k])
     copy_terms: dict[int, tuple[list, list]] = {}
-    for e, pair in enumerate(_pairs(inp)):
+    for e, pair in enumerate(pairs(inp)):
         # Alpa's formulation: e[k,l] picks the pair; its marginals are the two nodes' choices.
         # Its LP relaxation is tight on trees, which keeps CP-SAT's search small. Strategies
         # with equal rows (columns) share one marginal: the edge only sees their layouts.
@@ -213,86 +213,3 @@ def solver_for(inp: SolverInput):
     p.linearization_level = 2
     return solver
 
-
-def lp_relaxation(inp: SolverInput):
-    """Solve the LP relaxation with GLOP: (per-node fractional choices, objective) or None."""
-    lp = pywraplp.Solver.CreateSolver("GLOP")
-    if lp is None:
-        return None
-    # Dual simplex: 8x faster than primal on these problems (measured on a GPT layer, 2x4 mesh).
-    lp.SetSolverSpecificParametersAsString("use_dual_simplex: true")
-    x = [[lp.NumVar(0.0, 1.0, "") for _ in c] for c in inp.node_costs]
-    objective = lp.Objective()
-    for i, c in enumerate(inp.node_costs):
-        row = lp.Constraint(1.0, 1.0)
-        for k, v in enumerate(c):
-            row.SetCoefficient(x[i][k], 1.0)
-            if not np.isfinite(v):
-                x[i][k].SetUb(0.0)
-            elif v:
-                objective.SetCoefficient(x[i][k], float(v))
-    copy_terms: dict[int, list] = {}
-    for pair in _pairs(inp):
-        a, b, rows, cols, m = pair.a, pair.b, pair.rows, pair.cols, pair.cost
-        ev = [[lp.NumVar(0.0, 0.0 if not np.isfinite(m[k, l]) else 1.0, "")
-               for l in range(m.shape[1])] for k in range(m.shape[0])]
-        for k in range(m.shape[0]):
-            row = lp.Constraint(0.0, 0.0)
-            for i in np.flatnonzero(rows == k):
-                row.SetCoefficient(x[a][int(i)], -1.0)
-            for l in range(m.shape[1]):
-                row.SetCoefficient(ev[k][l], 1.0)
-                if np.isfinite(m[k, l]) and m[k, l]:
-                    objective.SetCoefficient(ev[k][l], float(m[k, l]))
-        for l in range(m.shape[1]):
-            row = lp.Constraint(0.0, 0.0)
-            for j in np.flatnonzero(cols == l):
-                row.SetCoefficient(x[b][int(j)], -1.0)
-            for k in range(m.shape[0]):
-                row.SetCoefficient(ev[k][l], 1.0)
-        for j, size in pair.copies:
-            copy_terms.setdefault(j, []).extend(
-                (ev[k][l], float(size[k, l])) for k in range(m.shape[0])
-                for l in range(m.shape[1]) if size[k, l] > 0)
-        if inp.remaining() <= 0:
-            return None
-    if inp.memory_budget is not None:
-        _lp_memory(lp, inp, x, copy_terms)
-    objective.SetMinimization()
-    if inp.deadline is not None:
-        lp.SetTimeLimit(max(1, int(1000 * inp.remaining())))
-    if lp.Solve() != pywraplp.Solver.OPTIMAL:
-        return None
-    return [np.array([v.solution_value() for v in xs]) for xs in x], objective.Value()
-
-
-def _lp_memory(lp, inp: SolverInput, x, copy_terms) -> None:
-    """The memory rows in the relaxation, as _memory_exprs writes them for CP-SAT."""
-    def add(row, terms, sign=1.0):
-        for n, mem in terms:
-            for k, v in enumerate(mem):
-                if v:
-                    row.SetCoefficient(x[n][k], row.GetCoefficient(x[n][k]) + sign * float(v))
-
-    base = lp.NumVar(0.0, lp.infinity(), "")
-    row = lp.Constraint(0.0, 0.0)
-    row.SetCoefficient(base, -1.0)
-    add(row, inp.memory_base)
-    copy_vars = []
-    for j in range(len(inp.copies)):
-        size = lp.NumVar(0.0, lp.infinity(), "")
-        row = lp.Constraint(0.0, 0.0)
-        row.SetCoefficient(size, -1.0)
-        for var, v in copy_terms.get(j, ()):
-            row.SetCoefficient(var, v)
-        copy_vars.append(size)
-    rows = inp.memory_rows or (((),) if inp.memory_base else ())
-    for r, mem_row in enumerate(rows):
-        row = lp.Constraint(-lp.infinity(), float(inp.memory_budget))
-        row.SetCoefficient(base, 1.0)
-        add(row, mem_row)
-        for j in (inp.row_copies[r] if r < len(inp.row_copies) else ()):
-            row.SetCoefficient(copy_vars[j], 1.0)
-
-
-# Memory rows the ILP starts with, and adds per round: the rows a solution overflows.

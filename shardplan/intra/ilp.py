@@ -1,5 +1,7 @@
 """The intra-operator ILP: one strategy per node, minimising node and edge costs under a
-per-device memory budget, solved with OR-Tools CP-SAT (as in Alpa, section 4.2)."""
+per-device memory budget (as in Alpa, section 4.2), reduced exactly (presolve.py), then solved
+as a MIP with HiGHS (linear.py; CP-SAT where HiGHS is missing) and, for the least memory,
+with CP-SAT (cpsat.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 from ortools.sat.python import cp_model
 
-from shardplan.intra import cpsat
+from shardplan.intra import cpsat, linear, presolve
 from shardplan.options import DEFAULTS
 from shardplan.units import Deadline, fmt_bytes
 
@@ -182,33 +184,36 @@ class _Infeasible(Exception):
 
 
 def solve(inp: SolverInput) -> Solution:
-    """The best choice CP-SAT finds within the time limit (optimal if it proves so).
+    """The best choice the solver finds within the time limit (optimal if it proves so).
 
-    Memory rows are added lazily: solve with the rows where memory piles up, evaluate every
-    row at the solution, add the rows it overflows, again until none does. A subset of the
-    rows has fewer constraints, so its optimum that fits every row is the optimum, and its
-    infeasibility proves the whole problem's."""
+    The problem is first reduced exactly (shardplan.intra.presolve: dominated choices and
+    chains go). Memory rows are added lazily: solve with the rows where memory piles up,
+    evaluate every row at the solution, add the rows it overflows, again until none does. A
+    subset of the rows has fewer constraints, so its optimum that fits every row is the
+    optimum, and its infeasibility proves the whole problem's."""
     if inp.num_nodes == 0:
         return Solution((), 0.0, 0.0, True, "empty")
-    full, budget = inp, inp.memory_budget
+    budget = inp.memory_budget
+    reduced = presolve.reduce(inp)
+    core = reduced.inp
     lazy = budget is not None and len(inp.memory_rows) > ROWS_PER_ROUND
     active = _first_rows(inp) if lazy else set(range(len(inp.memory_rows)))
-    found = None
     while True:
-        sub = _restrict(full, active) if lazy else full
+        sub = _restrict(core, active) if lazy else core
         try:
             found = _solve_rows(sub)
         except _Infeasible:
-            raise InfeasibleMemory(budget, *min_memory_bound(full)) from None
+            raise InfeasibleMemory(budget, *min_memory_bound(inp)) from None
         if found is None:
             break
-        obj, peak = evaluate(full, found.choice)
-        over = _top_rows(full, found.choice, budget, active) if lazy else []
+        choice = reduced.expand(found.choice)
+        obj, peak = evaluate(inp, choice)
+        over = _top_rows(inp, choice, budget, active) if lazy else []
         if not over:
-            return dataclasses.replace(found, objective=obj, peak_memory=peak)
+            return Solution(choice, obj, peak, found.optimal, found.solver)
         active |= set(over)
-        full = dataclasses.replace(full, hint=None)
-        if full.remaining() <= 0:
+        core = dataclasses.replace(core, hint=None)
+        if inp.remaining() <= 0:
             break
     # Out of time: the cheapest of the hint and the greedy choices that fits.
     fits = []
@@ -256,30 +261,20 @@ def greedy_choices(inp: SolverInput) -> list[tuple[int, ...]]:
 
 
 def _solve_rows(inp: SolverInput) -> Solution | None:
-    """LP, then CP-SAT, with the rows of `inp`: a Solution, None when the time ran out first,
-    or _Infeasible when no choice fits them."""
-    relaxed = cpsat.lp_relaxation(inp) if inp.remaining() > 0 else None
-    if relaxed is not None:
-        fractions, _ = relaxed
-        rounded = tuple(int(np.argmax(f)) for f in fractions)
-        if all(f.max() > 1 - 1e-6 for f in fractions):
-            # An integral optimum of the relaxation is an optimum of the ILP.
-            obj, peak = evaluate(inp, rounded)
-            if inp.memory_budget is None or peak <= inp.memory_budget:
-                return Solution(rounded, obj, peak, True, "lp-integral")
-        inp = dataclasses.replace(inp, hint=rounded)
+    """The MIP (HiGHS) with the rows of `inp`: a Solution (objective and peak not yet
+    evaluated), None when the time ran out first, or _Infeasible when no choice fits them."""
+    if inp.num_nodes == 0:
+        return Solution((), 0.0, 0.0, True, "presolve")
     if inp.remaining() <= 0:
         return None
-    model, x = cpsat.build_model(inp, minimise_memory=False)
-    solver = cpsat.solver_for(inp)
-    status = solver.Solve(model)
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        choice = tuple(next(k for k, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
-        obj, peak = evaluate(inp, choice)
-        return Solution(choice, obj, peak, status == cp_model.OPTIMAL, "cp-sat")
-    if status == cp_model.INFEASIBLE and inp.memory_budget is not None:
+    status, choice = linear.mip(inp)
+    if choice is not None and status == "optimal":
+        choice = presolve.canonical(inp, choice)
+    if status == "infeasible" and inp.memory_budget is not None:
         raise _Infeasible()
-    return None
+    if choice is None:
+        return None
+    return Solution(choice, 0.0, 0.0, status == "optimal", "highs")
 
 
 def min_memory_bound(inp: SolverInput) -> tuple[float, bool]:

@@ -188,9 +188,9 @@ def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
 
 def _keys(a: Sequence, b: Sequence) -> tuple[np.ndarray, np.ndarray]:
     """Equal specs -> equal ints, across both sides."""
-    index: dict[str, int] = {}
-    ka = np.array([index.setdefault(str(s), len(index)) for s in a])
-    kb = np.array([index.setdefault(str(s), len(index)) for s in b])
+    index: dict = {}  # specs are frozen dataclasses: equal specs hash equal
+    ka = np.array([index.setdefault(s, len(index)) for s in a])
+    kb = np.array([index.setdefault(s, len(index)) for s in b])
     return ka, kb
 
 
@@ -274,6 +274,7 @@ class MemoryModel:
                 value = g.values[v]
                 if is_tensor(value) and value.ndim > 0 and v in p.producer:
                     readers.setdefault(v, []).append((p.num_inputs + node.id, i))
+        bytes_of: dict = {}  # (shape, spec) -> bytes: repeated layers read the same
         for v in sorted(readers):
             src, out_idx = p.source[v]
             rs = root[src]
@@ -287,12 +288,17 @@ class MemoryModel:
             for m, i in movers:
                 rm = root[m]
                 dsts = [p.in_spec(m, i, k) for k in range(len(p.strategies[rm]))]
-                key = (rm, tuple(map(str, dsts)))
-                if key in seen or all(d == s for d in dsts for s in srcs):
+                key = (rm, tuple(dsts))
+                if key in seen or len(set(dsts).union(srcs)) == 1:
                     continue
                 seen.add(key)
                 ka, kb = _keys(srcs, dsts)
-                nbytes = self.scale * np.ceil([p.cost.value_bytes(g.values[v], d) for d in dsts])
+                value = g.values[v]
+                shape = (value.shape, value.dtype, value.itemsize)
+                for d in dsts:
+                    if (shape, d) not in bytes_of:
+                        bytes_of[(shape, d)] = p.cost.value_bytes(value, d)
+                nbytes = self.scale * np.ceil([bytes_of[(shape, d)] for d in dsts])
                 at = self.pos[m - p.num_inputs]
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
                 self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, at, last,
@@ -372,15 +378,18 @@ class MemoryModel:
     # -- a chosen plan's peak ----------------------------------------------------------------
 
     def peak(self, root_choice: Mapping[int, int]) -> float:
-        """The peak bytes per device when each root r takes choice root_choice[r]."""
-        best = 0.0
-        for bufs, cps in self.points():
-            total = sum(float(self.buffers[i].nbytes[root_choice[self.buffers[i].root]])
-                        for i in bufs)
-            for j in cps:
-                c = self.copies[j]
-                ka, kb = root_choice[c.a], root_choice[c.b]
-                if c.key_a[ka] != c.key_b[kb]:
-                    total += float(c.bytes_a[ka] + c.bytes_b[kb])
-            best = max(best, total)
-        return best
+        """The peak bytes per device when each root r takes choice root_choice[r]: the most
+        bytes live at one moment, swept over the buffers' intervals (the maximum is at one of
+        the points(), where the rows are)."""
+        items = [(b.start, b.end, float(b.nbytes[root_choice[b.root]])) for b in self.buffers]
+        for c in self.copies:
+            ka, kb = root_choice[c.a], root_choice[c.b]
+            if c.key_a[ka] != c.key_b[kb]:
+                items.append((c.start, c.end, float(c.bytes_a[ka] + c.bytes_b[kb])))
+        if not items:
+            return 0.0
+        starts, ends, sizes = (np.array(x) for x in zip(*items))
+        change = np.zeros(int(ends.max()) + 2)
+        np.add.at(change, starts.astype(int), sizes)
+        np.add.at(change, ends.astype(int) + 1, -sizes)
+        return max(0.0, float(np.cumsum(change).max()))

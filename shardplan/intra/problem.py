@@ -80,8 +80,7 @@ class Problem:
             [Strategy("fixed", (), (options.fixed_inputs[i],), 0.0)] if i in options.fixed_inputs
             else _source_strategies(graph.values[v], r, mesh, options.max_split_dims)
             for i, (v, r) in enumerate(zip(graph.inputs, graph.input_roles))]
-        for node in graph.nodes:
-            self.strategies.append(registry.strategies_for(node, graph, mesh))
+        self.strategies += registry.strategies_of_graph(graph, mesh)
         self.producer: dict[int, tuple[int, int]] = {v: (i, 0) for i, v in enumerate(graph.inputs)}
         for node in graph.nodes:
             for k, v in enumerate(node.outputs):
@@ -97,7 +96,8 @@ class Problem:
             fanouts = "partial" if len(mesh.useful_axes()) == 1 else "layers"
         if fanouts != "none":
             self._add_fanouts(partial_only=fanouts != "all", across_layers=fanouts == "layers")
-        self._node_times: dict[tuple[int, int], tuple[float, float]] = {}
+        self._node_times: dict[tuple, tuple] = {}
+        self._time_keys: dict[int, tuple] = {}
         if options.merge_followers:
             self.groups = merge_followers(graph, self.strategies, self.source, self.node_cost)
         else:
@@ -198,7 +198,15 @@ class Problem:
         key = (m, k)
         if key not in self._node_times:
             node = self.graph.nodes[m - self.num_inputs]
-            self._node_times[key] = self.cost.node_time(self.graph, node, self.strategies[m][k])
+            strategy = self.strategies[m][k]
+            # The same operator in every layer shares its strategies (registry): priced once.
+            if m not in self._time_keys:
+                self._time_keys[m] = self.cost.node_time_key(self.graph, node)
+            shared = (self._time_keys[m], id(strategy))
+            if shared not in self._node_times:
+                self._node_times[shared] = (self.cost.node_time(self.graph, node, strategy),
+                                            strategy)
+            self._node_times[key] = self._node_times[shared][0]
         return self._node_times[key]
 
     def trips(self, m: int) -> float:
@@ -261,22 +269,27 @@ class Problem:
         return time
 
     def _reshard_matrix(self, value: Value, srcs: list[ShardSpec], dsts: list[ShardSpec]) -> np.ndarray:
-        us, si = np.unique([str(s) for s in srcs], return_inverse=True)
-        ud, di = np.unique([str(s) for s in dsts], return_inverse=True)
-        first_s = {str(s): s for s in srcs}
-        first_d = {str(s): s for s in dsts}
-        # Repeated layers reshard values of the same shapes between the same layouts.
+        # Repeated layers reshard values of the same shapes between the same layouts: the
+        # matrix, and each layout pair's time, are computed once.
         memo = self.__dict__.setdefault("_reshard_memo", {})
         shape = (value.shape, value.dtype, value.itemsize)
+        key = (shape, tuple(srcs), tuple(dsts))
+        if key in memo:
+            return memo[key]
+        us, ud = list(dict.fromkeys(srcs)), list(dict.fromkeys(dsts))
+        si = np.array([us.index(x) for x in srcs]) if len(us) < len(srcs) else np.arange(len(srcs))
+        di = np.array([ud.index(x) for x in dsts]) if len(ud) < len(dsts) else np.arange(len(dsts))
 
         def time(a, b):
-            key = (shape, a, b)
-            if key not in memo:
-                memo[key] = self.reshard_time(value, first_s[a], first_d[b])
-            return memo[key]
+            k = (shape, a, b)
+            if k not in memo:
+                memo[k] = self.reshard_time(value, a, b)
+            return memo[k]
 
         u = np.array([[time(a, b) for b in ud] for a in us])
-        return u[si][:, di]
+        memo[key] = mat = u[si][:, di]
+        mat.flags.writeable = False
+        return mat
 
     def edges_and_unary(self):
         """Node costs per root choice, and edge matrices between roots."""

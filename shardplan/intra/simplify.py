@@ -34,6 +34,9 @@ def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: di
     root = list(range(len(strategies)))
     pick: list[tuple[int, ...]] = [tuple(range(len(s))) for s in strategies]
     num_inputs = len(graph.inputs)
+    # (strategy list, operand, spec) -> the strategies that read the operand in that spec:
+    # nodes of repeated layers share their strategy lists.
+    reading: dict[tuple[int, int, object], list[int]] = {}
     for node in graph.nodes:
         m = num_inputs + node.id
         if primitives.info(node.primitive).leader or len(node.outputs) != 1:
@@ -49,7 +52,10 @@ def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: di
         mapping = []
         for k in range(len(strategies[r])):
             spec = strategies[p][pick[p][k]].out_specs[out_idx]
-            matches = [l for l, s in enumerate(strategies[m]) if s.in_specs[i] == spec]
+            key = (id(strategies[m]), i, spec)
+            if key not in reading:
+                reading[key] = [l for l, s in enumerate(strategies[m]) if s.in_specs[i] == spec]
+            matches = reading[key]
             # A follower's layout must follow from its operand's: where several outputs are
             # possible (a broadcast may split its new dims), the choice is left to the ILP.
             if not matches:

@@ -50,6 +50,42 @@ def strategies_for(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
     return common.dedupe([common.replicated(node, graph), *rule(node, graph, mesh)])
 
 
+def _value_key(value) -> tuple:
+    if value.const is not None and not value.is_literal:
+        return ("const", value.id)  # a captured array: not compared by value
+    return (value.shape, value.dtype, value.itemsize, value.is_literal,
+            repr(value.const) if value.is_literal else None)
+
+
+def _node_key(node: Node, graph: Graph) -> tuple | None:
+    """What a rule reads of a node: its primitive, parameters, flops and operand and result
+    values (not their ids); None when the parameters cannot be compared."""
+    try:
+        params = tuple(sorted((k, repr(v)) for k, v in node.params.items()))
+    except TypeError:
+        return None
+    return (node.primitive, params, float(node.flops),
+            tuple(_value_key(graph.values[v]) for v in node.inputs),
+            tuple(_value_key(graph.values[v]) for v in node.outputs))
+
+
+def strategies_of_graph(graph: Graph, mesh: MeshShape) -> list[list[Strategy]]:
+    """strategies_for every node of `graph`, in order. Nodes that read and write values of the
+    same shapes with the same parameters (the same operator in every layer) share one list:
+    a rule sees nothing else of a node, and strategies are immutable."""
+    memo: dict[tuple, list[Strategy]] = {}
+    out = []
+    for node in graph.nodes:
+        key = _node_key(node, graph)
+        if key is None:
+            out.append(strategies_for(node, graph, mesh))
+            continue
+        if key not in memo:
+            memo[key] = strategies_for(node, graph, mesh)
+        out.append(memo[key])
+    return out
+
+
 def unknown_primitives(graph: Graph) -> set[str]:
     """Primitives of the graph's nodes that have no rule and so run replicated: the planner
     warns about them once per plan (control flow and callbacks land here)."""
