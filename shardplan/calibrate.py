@@ -208,3 +208,27 @@ def measure_profile(mesh: jax.sharding.Mesh, *, name: str | None = None,
                 f"{mesh.devices.size} x {kind}, {jax.process_count()} process(es), "
                 f"jax {jax.__version__}; links fitted per axis {sorted(links)}"))
     return Calibration(profile, tuple(samples), links)
+
+
+def profile_mesh(spec: str | None, devices: int) -> jax.sharding.Mesh:
+    """The mesh to measure: `spec` as "2x4" (axes named by MeshShape's defaults), else one
+    axis per process boundary (hosts x devices) or one axis over every device."""
+    procs = jax.process_count()
+    if spec:
+        try:
+            shape = tuple(int(s) for s in spec.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--mesh {spec!r}: give sizes joined by x, e.g. 2x4") from None
+        if len(shape) == 2 and shape[0] == procs > 1:
+            names = ("hosts", "devices")
+        else:
+            names = {1: ("devices",), 2: ("data", "model")}.get(
+                len(shape), tuple(f"axis{i}" for i in range(len(shape))))
+    elif procs > 1:
+        shape, names = (procs, devices // procs), ("hosts", "devices")
+    else:
+        shape, names = (devices,), ("devices",)
+    if math.prod(shape) != devices or min(shape) < 1:
+        raise ValueError(f"--mesh {spec!r} has {math.prod(shape)} devices; "
+                         f"this machine runs {devices}")
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))

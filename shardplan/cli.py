@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -356,36 +355,15 @@ def cmd_show(args) -> int:
     return EXIT_OK
 
 
-def _profile_mesh(spec: str | None, devices: int) -> jax.sharding.Mesh:
-    """The mesh to measure: `spec` as "2x4" (axes named by MeshShape's defaults), else one
-    axis per process boundary (hosts x devices) or one axis over every device."""
-    procs = jax.process_count()
-    if spec:
-        try:
-            shape = tuple(int(s) for s in spec.lower().split("x"))
-        except ValueError:
-            raise ConfigError(None, f"--mesh {spec!r}: give sizes joined by x, e.g. 2x4") from None
-        if len(shape) == 2 and shape[0] == procs > 1:
-            names = ("hosts", "devices")
-        else:
-            names = {1: ("devices",), 2: ("data", "model")}.get(
-                len(shape), tuple(f"axis{i}" for i in range(len(shape))))
-    elif procs > 1:
-        shape, names = (procs, devices // procs), ("hosts", "devices")
-    else:
-        shape, names = (devices,), ("devices",)
-    if math.prod(shape) != devices or min(shape) < 1:
-        raise ConfigError(None, f"--mesh {spec!r} has {math.prod(shape)} devices; "
-                          f"this machine runs {devices}")
-    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-
-
 def cmd_profile(args) -> int:
     if args.devices < 1:
         raise ConfigError(None, f"--devices must be >= 1, got {args.devices}")
     init_cpu_devices(args.devices)  # before the backend starts; ignored by GPU and TPU runs
     devices = len(jax.devices())
-    mesh = _profile_mesh(args.mesh, devices)
+    try:
+        mesh = calibrate.profile_mesh(args.mesh, devices)
+    except ValueError as e:
+        raise ConfigError(None, str(e)) from None
     out, err = consoles(args.quiet)
     cal = calibrate.measure_profile(mesh, name=args.name, repeats=args.repeats,
                                     progress=lambda m: err.print(f"[dim]{m}[/]"))
