@@ -179,9 +179,19 @@ class AutoStep:
             return self._emit_spmd(plan, fp) if pp is None else self._emit_mpmd(plan, pp, fp)
         # Multi-controller, pipeline="auto" plans one program (process 0 plans, broadcasts).
         if self._given_plan is None and o.pipeline is not False and not multi:
+            # An SPMD pipeline plan is one program's plan: cached like one (an MPMD plan is
+            # rebuilt by the pipeline planner, which its JSON cannot stand in for).
+            cache = cache_mod.PlanCache.of(self.plan_cache)
+            pipe_fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o)
+            hit = cache.load(pipe_fp) if cache is not None else None
+            if hit is not None and hit.pipeline_kind == "spmd":
+                return self._emit_spmd(dataclasses.replace(
+                    hit, in_tree=traced.in_tree, out_tree=traced.out_tree), fp)
             choice = measure.choose_measured(self.fn, args, mesh, hw, o, traced,
                                              self.donate_argnums)
             if choice.pipelined and choice.plan.pipeline_kind == "spmd":
+                if cache is not None:
+                    cache.store(pipe_fp, dataclasses.replace(choice.plan, device_mesh=None))
                 return self._emit_spmd(choice.plan, fp)
             if choice.pipelined:
                 return self._emit_mpmd(choice.plan, choice.pipeline, fp)

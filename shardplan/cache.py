@@ -102,8 +102,8 @@ class PlanCache:
     def store(self, fingerprint: str, plan: Plan) -> pathlib.Path | None:
         """Write `plan` under `fingerprint` atomically; a failure to write is a warning, not an
         error (the job runs on without a cache). Returns the path written, or None."""
-        if plan.stages:
-            return None  # a pipelined plan is rebuilt by the pipeline planner, not from JSON
+        if plan.stages and plan.pipeline_kind != "spmd":
+            return None  # an MPMD plan is rebuilt by the pipeline planner, not from JSON
         entry = {"shardplan": version(), "format": FORMAT_VERSION, "fingerprint": fingerprint,
                  "plan": plan.to_dict()}
         path = self.path(fingerprint)

@@ -205,3 +205,24 @@ def test_defaults_1f1b_with_two_micro_batches_per_stage(tmp_path):
     assert plan.num_micro_batches == M  # the fewest >= 2 per stage that divide 16
     assert plan.schedule == "1f1b"
     assert any(n.startswith("1F1B: 8 micro-batches, one loop of 14 ticks") for n in plan.notes)
+
+
+def test_an_spmd_plan_is_cached_and_the_second_run_does_not_plan(tmp_path, monkeypatch):
+    from shardplan import measure
+
+    step, args = scanned_mlp()
+    first = shardplan.auto(step, mesh=stage_mesh(), pipeline="spmd", num_micro_batches=M,
+                           cache=tmp_path)
+    plan = first.plan(*args)
+    assert plan.pipeline_kind == "spmd" and list(tmp_path.glob("plan-*.json"))
+
+    def no_planning(*a, **k):
+        raise AssertionError("planned again instead of loading the cached plan")
+
+    monkeypatch.setattr(measure, "choose_measured", no_planning)
+    again = shardplan.auto(step, mesh=stage_mesh(), pipeline="spmd", num_micro_batches=M,
+                           cache=tmp_path)
+    loaded = again.plan(*args)
+    assert loaded.pipeline_kind == "spmd" and len(loaded.stages) == len(plan.stages)
+    assert loaded.num_micro_batches == M and loaded.schedule == plan.schedule
+    check_three_steps(step, args, again)
