@@ -248,13 +248,10 @@ def run_search(config: Config, *, verify: bool = False, phases: Phases):
         stats, priced, baselines, compile_s = compile_and_price(
             config, work, plan, phases, notes, want_baselines=config.output.compare)
     verification = None
-    if verify and stats is not None:
-        e = plan.model_estimate or plan.estimate
-        if config.profile().forms_reduce_scatter:
-            stats = stats.formed()  # as a GPU/TPU compiler runs it, like the pricing
-        verification = report.Verification(
-            e.comm_bytes, stats.bytes_sent, e.peak_bytes, stats.peak_bytes, e.compute_s,
-            priced.compute_s, stats.by_kind())
+    label, e = report.model_estimate(plan)
+    if verify and stats is not None and e is not None:
+        verification = report.verification(plan, label, e, stats, priced,
+                                             config.profile().forms_reduce_scatter)
     if priced is not None and not plan.stages:
         plan = report.compiled_plan(plan, priced)  # one memory figure per program
     hw = config.profile()

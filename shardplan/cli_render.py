@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shardplan import bench, report
+from shardplan import bench, report, report_plots
 from shardplan.config import Config
 from shardplan.cost import ring
 from shardplan.units import fmt_bytes, fmt_seconds
@@ -81,7 +81,7 @@ def print_run(run, console) -> None:
         if run.ratio() is not None:
             console.print(run.ratio_text())
     if run.verification is not None:
-        t = Table(title="predicted vs compiled (the plan)")
+        t = Table(title=f"predicted vs compiled ({run.verification.of})")
         for c in ("quantity", "predicted", "compiled", "compiled / predicted"):
             t.add_column(c)
         for row in report.verification_rows(run.verification):
@@ -107,7 +107,7 @@ def write_outputs(config: Config, run, out_dir: str) -> list[str]:
             json.dump({
                 "config": config.model_dump(mode="json"), "hardware": run.hardware,
                 "budget": run.budget, "mesh": run.mesh, "search_s": run.search_s,
-                "estimate": (run.plan.model_estimate or run.plan.estimate).to_dict(),
+                "estimate": _model_dict(run.plan),
                 "memory": {"peak_bytes": run.plan_peak()[0], "source": run.plan_peak()[1],
                            "fits": run.fits(run.plan_peak()[0])},
                 "plan": run.priced_plan.to_dict() if run.priced_plan else None,
@@ -119,8 +119,14 @@ def write_outputs(config: Config, run, out_dir: str) -> list[str]:
                 "notes": list(run.notes),
             }, f, indent=1)
         written.append(path)
-    written += report.write_report(run, out_dir, formats)
+    written += report_plots.write_report(run, out_dir, formats)
     return written
+
+
+def _model_dict(plan) -> dict | None:
+    """The cost model's figures of the comparison, and whose they are (report.model_estimate)."""
+    label, e = report.model_estimate(plan)
+    return None if e is None else {"of": label.removesuffix(" (cost model)"), **e.to_dict()}
 
 
 def print_bench(rows: Sequence[bench.BenchRow], console) -> None:

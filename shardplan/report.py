@@ -8,11 +8,9 @@ compiled, the plan and every baseline priced by one hardware profile (analysis/p
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from collections.abc import Mapping, Sequence
 
-from shardplan import timeline
 from shardplan.analysis.price import PricedStep
 from shardplan.options import DEFAULTS
 from shardplan.plan import Estimate, Plan
@@ -33,6 +31,8 @@ class Verification:
     compiled_compute_s: float
     collectives: Mapping[str, tuple[int, float]]
     """kind -> (executions, bytes sent per device) in the compiled plan."""
+    of: str = "the plan"
+    """Whose predictions: the plan's, or the searched plan's where an expert plan was kept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +75,9 @@ class Run:
     def rows(self) -> list[tuple[str, float, float, float, float, float | None]]:
         """(name, compute_s, comm_s, total_s, peak_bytes, bytes sent) per program compared: the
         plan's estimate, the compiled plan, the compiled baselines."""
-        e = self.plan.model_estimate or self.plan.estimate
-        out = [("plan (cost model)", e.compute_s, e.comm_s, e.total_s, e.peak_bytes, e.comm_bytes)]
+        label, e = model_estimate(self.plan)
+        out = [] if e is None else [(label, e.compute_s, e.comm_s, e.total_s, e.peak_bytes,
+                                     e.comm_bytes)]
         if self.priced_plan is not None:
             out.append(("plan (XLA)",) + _figures(self.priced_plan))
         if self.searched is not None and self.searched is not self.priced_plan:
@@ -132,6 +133,38 @@ class Run:
         if best is None or priced is None or best[1].total_s <= 0:
             return None
         return priced.total_s / best[1].total_s
+
+
+def model_estimate(plan: Plan) -> tuple[str, Estimate | None]:
+    """The cost model's figures for the plan and what they are of: the plan's own; where the
+    measured selection kept an expert plan the cost model never priced (input shardings only,
+    XLA propagating the rest), the searched plan's, labelled so; None if neither exists."""
+    e = plan.model_estimate or plan.estimate
+    if e.total_s > 0 or e.peak_bytes > 0:
+        return "plan (cost model)", e
+    searched = next((c.plan for c in plan.candidates if c.name == "searched"), None)
+    if searched is not None:
+        return "searched plan (cost model)", searched.model_estimate or searched.estimate
+    return "plan (cost model)", None
+
+
+def verification(plan: Plan, label: str, e: Estimate, stats, priced: PricedStep,
+                 forms_reduce_scatter: bool) -> Verification | None:
+    """The cost model's predictions (`e`, labelled `label` by model_estimate) against the
+    compiled program they are of: the kept plan's (`stats`, `priced`), or, where the measured
+    selection kept an expert plan the model never priced, the searched plan's (compiled as a
+    candidate)."""
+    if label == "plan (cost model)":
+        if forms_reduce_scatter:
+            stats = stats.formed()  # as a GPU/TPU compiler runs it, like the pricing
+        return Verification(e.comm_bytes, stats.bytes_sent, e.peak_bytes, stats.peak_bytes,
+                            e.compute_s, priced.compute_s, stats.by_kind())
+    c = next((c.priced for c in plan.candidates if c.name == "searched"), None)
+    if c is None:
+        return None
+    return Verification(e.comm_bytes, c.bytes_sent, e.peak_bytes, c.peak_bytes, e.compute_s,
+                        c.compute_s, {k: (v.count, v.bytes_sent) for k, v in c.per_kind.items()},
+                        of="the searched plan")
 
 
 def compiled_plan(plan: Plan, priced: PricedStep) -> Plan:
@@ -199,94 +232,10 @@ def cost_by_layer(plan: Plan) -> list[tuple[str, float, float]]:
 # -- plots ----------------------------------------------------------------------------------
 
 
-def _figure(figsize):
-    """A bare matplotlib Figure and its axes: drawn with Agg, no global pyplot state.
-    matplotlib is heavy and only needed to draw: imported here, lazily."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize)
-    return fig, fig.add_subplot(1, 1, 1)
-
-
-def plot_layer_costs(plan: Plan, path: str) -> str | None:
-    """Stacked compute / communication time per layer of the plan (cost model)."""
-    rows = cost_by_layer(plan)
-    if not rows:
-        return None
-    fig, ax = _figure((max(6.0, 0.35 * len(rows) + 2), 3.6))
-    xs = range(len(rows))
-    comp = [r[1] * 1e3 for r in rows]
-    comm = [r[2] * 1e3 for r in rows]
-    ax.bar(xs, comp, label="compute", color="#4C72B0")
-    ax.bar(xs, comm, bottom=comp, label="communication", color="#DD8452")
-    ax.set_xticks(list(xs), [r[0] for r in rows], rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("ms per step (cost model)")
-    ax.set_title(f"plan cost per layer, mesh {mesh_str(plan)}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
-
-
 def memory_rows(run: Run) -> list[tuple]:
     """The rows of the memory plot: every program once (the plan compiled, once compiled)."""
     return [r for r in run.rows()
-            if not (r[0] == "plan (cost model)" and run.priced_plan is not None)]
-
-
-def plot_memory(run: Run, path: str) -> str:
-    """Peak memory per device of every program compared, against the budget: the plan's one
-    figure (compiled once compiled, labelled so), not also its estimate."""
-    rows = memory_rows(run)
-    fig, ax = _figure((7, 0.5 * len(rows) + 1.5))
-    top = max([r[4] for r in rows] + [1.0])
-    unit, scale = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10),
-                                           ("B", 1)) if top >= s)
-    values = [r[4] / scale for r in rows]
-    colors = ["#55A868" if run.fits(r[4]) else "#C44E52" for r in rows]
-    ax.barh(range(len(rows)), values, color=colors)
-    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
-    ax.invert_yaxis()
-    title = f"{run.label} on {run.hardware}, mesh {run.mesh}"
-    if run.budget <= 3 * top:
-        ax.axvline(run.budget / scale, color="black", linestyle="--",
-                   label=f"budget {fmt_bytes(run.budget)}")
-        ax.legend(loc="lower right")
-    else:
-        title += f"\n(budget {fmt_bytes(run.budget)} per device, off the scale)"
-    ax.set_xlabel(f"peak memory per device ({unit})")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def plot_step_times(run: Run, path: str) -> str:
-    """Stacked compute / communication step time of every program compared."""
-    rows = run.rows()
-    fig, ax = _figure((7, 0.5 * len(rows) + 1.5))
-    comp = [r[1] * 1e3 for r in rows]
-    comm = [r[2] * 1e3 for r in rows]
-    ys = range(len(rows))
-    ax.barh(ys, comp, color="#4C72B0", label="compute")
-    ax.barh(ys, comm, left=comp, color="#DD8452", label="communication")
-    ax.set_yticks(list(ys), [r[0] for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel(f"ms per step on {run.hardware}")
-    ax.set_title(f"{run.label}, mesh {run.mesh}")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def plot_timeline(run: Run, path: str) -> str | None:
-    """The pipeline schedule of a staged plan (shardplan.timeline, from the cost model)."""
-    timeline.draw_plan(run.plan, path)
-    return path if os.path.exists(path) else None
-
-
-# -- report.md ------------------------------------------------------------------------------
+            if not (r[0].endswith("(cost model)") and run.priced_plan is not None)]
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -305,7 +254,7 @@ def comparison_rows(run: Run) -> list[list[str]]:
     for name, comp, comm, total, peak, sent in run.rows():
         vs = f"{total / base:.2f}x" if base > 0 else "-"
         # once compiled, the compiled row's peak is the plan's memory figure and verdict
-        estimate_only = name == "plan (cost model)" and run.priced_plan is not None
+        estimate_only = name.endswith("(cost model)") and run.priced_plan is not None
         fits = "(estimate)" if estimate_only else "yes" if run.fits(peak) else "NO"
         out.append([name, fmt_seconds(comp), fmt_seconds(comm), fmt_seconds(total), vs,
                     fmt_bytes(peak), fits, fmt_bytes(sent) if sent is not None else "-"])
@@ -331,34 +280,6 @@ def verification_rows(v: Verification) -> list[list[str]]:
         ["compute time", fmt_seconds(v.predicted_compute_s), fmt_seconds(v.compiled_compute_s),
          ratio(v.predicted_compute_s, v.compiled_compute_s)],
     ]
-
-
-def write_report(run: Run, out_dir: str, formats: Sequence[str] = ("json", "md", "png")) -> list[str]:
-    """Write report.md (and its PNG plots) into out_dir; returns the paths written."""
-    os.makedirs(out_dir, exist_ok=True)
-    written: list[str] = []
-    images: list[tuple[str, str]] = []
-    if "png" in formats:
-        for title, fname, fn in (
-            ("Step time: plan vs baselines", "step_time.png", lambda p: plot_step_times(run, p)),
-            ("Memory per device against the budget", "memory.png", lambda p: plot_memory(run, p)),
-            ("Plan cost per layer", "cost_per_layer.png", lambda p: plot_layer_costs(run.plan, p)),
-        ):
-            path = fn(os.path.join(out_dir, fname))
-            if path:
-                written.append(path)
-                images.append((title, fname))
-        if run.plan.stages:
-            path = plot_timeline(run, os.path.join(out_dir, "timeline.png"))
-            if path:
-                written.append(path)
-                images.append(("Pipeline timeline", "timeline.png"))
-    if "md" in formats:
-        path = os.path.join(out_dir, "report.md")
-        with open(path, "w") as f:
-            f.write(report_markdown(run, images))
-        written.append(path)
-    return written
 
 
 def use_this_plan(run: Run) -> list[str]:
@@ -418,7 +339,7 @@ def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
     if run.ratio() is not None:
         lines += [f"**{run.ratio_text()}.**", ""]
     if run.verification is not None:
-        lines += ["## Predicted vs compiled (the plan)", ""]
+        lines += [f"## Predicted vs compiled ({run.verification.of})", ""]
         lines += md_table(("quantity", "predicted", "compiled", "compiled / predicted"),
                            verification_rows(run.verification))
         lines.append("")

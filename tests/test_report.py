@@ -3,7 +3,7 @@
 
 import pytest
 
-from shardplan import report
+from shardplan import report, report_plots
 from shardplan.analysis.price import KindCost, PricedStep
 from shardplan.plan import Estimate, OpRow, Plan, Stage
 from shardplan.strategies.spec import MeshShape, ShardSpec
@@ -88,7 +88,7 @@ def test_comparison_rows():
 def test_write_report(tmp_path):
     run = _run(verification=report.Verification(50 * MiB, 60 * MiB, 300 * MiB, 350 * MiB,
                                                  0.0167, 0.009, {"all-reduce": (2, 60 * MiB)}))
-    written = report.write_report(run, str(tmp_path))
+    written = report_plots.write_report(run, str(tmp_path))
     names = sorted(p.rsplit("/", 1)[1] for p in written)
     assert names == ["cost_per_layer.png", "memory.png", "report.md", "step_time.png"]
     for name in [n for n in names if n.endswith(".png")]:
@@ -99,7 +99,7 @@ def test_write_report(tmp_path):
                  "`[0]['layer_*']['w']`", "## Use this plan",
                  'shardplan.load_plan("plan.json")', "mesh = jax.make_mesh((2, 4), ('data', 'model'))", "| 2 |", "plan / best baseline (two_d): 0.83x"):
         assert text in md, text
-    only_md = report.write_report(run, str(tmp_path / "md"), formats=("md",))
+    only_md = report_plots.write_report(run, str(tmp_path / "md"), formats=("md",))
     assert [p.rsplit("/", 1)[1] for p in only_md] == ["report.md"]
 
 
@@ -108,7 +108,7 @@ def test_pipeline_report_draws_a_timeline(tmp_path):
     est = Estimate(0.004, 0.001, 100 * MiB, 50 * MiB)
     plan = _plan(stages=(Stage((0, 5), (1, 4), (0, 1, 2, 3), est),
                          Stage((6, 11), (1, 4), (4, 5, 6, 7), est)))
-    written = report.write_report(_run(plan=plan, num_micro_batches=4), str(tmp_path))
+    written = report_plots.write_report(_run(plan=plan, num_micro_batches=4), str(tmp_path))
     assert str(tmp_path / "timeline.png") in written
     md = (tmp_path / "report.md").read_text()
     assert "Pipeline stages" in md and "timeline.png" in md
@@ -133,3 +133,20 @@ def test_one_memory_figure_for_a_plan_that_fits_by_estimate_and_not_once_compile
     assert "plan (cost model)" not in [r[0] for r in report.memory_rows(run)]
     md = report.report_markdown(run)
     assert "peak memory (compiled by XLA): 450.00 MiB per device: DOES NOT FIT" in md
+
+
+def test_kept_expert_shows_the_searched_plans_model_not_zeros():
+    """measure=True kept an expert's input shardings, which the cost model never priced: the
+    comparison shows the searched plan's cost model, labelled so, not a row of zeros."""
+    import dataclasses
+
+    from shardplan.measure import MeasuredProgram
+    searched = _plan()
+    kept = dataclasses.replace(searched, estimate=Estimate(0.0, 0.0, 0.0, 100 * MiB),
+                               candidates=(MeasuredProgram("searched", searched),))
+    rows = {r[0]: r for r in report.comparison_rows(_run(plan=kept))}
+    assert "plan (cost model)" not in rows
+    assert rows["searched plan (cost model)"][3] == "18.700 ms"
+    assert "searched plan (cost model)" not in [r[0] for r in report.memory_rows(_run(plan=kept))]
+    bare = dataclasses.replace(kept, candidates=())
+    assert next(r[0] for r in _run(plan=bare).rows()) == "plan (XLA)"
