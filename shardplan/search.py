@@ -96,6 +96,19 @@ def op_rows(graph: Graph, cost: AlphaBetaCost, intra: IntraPlan) -> list[OpRow]:
     its operands into the layouts it reads (counted at the first node that reads a value in a
     layout: XLA reshards once for all of them)."""
     specs, seen, rows = intra.value_specs, set(), []
+    producer = {v: node.id for node in graph.nodes for v in node.outputs}
+
+    def trips_at(node_id: int | None, side: str) -> float:
+        # a loop's entry reads, and its exit writes, a value of the enclosing level: resharded
+        # as often as the rarer side runs (intra.problem.Problem.edge_trips)
+        if node_id is None:
+            return 1.0
+        node = graph.nodes[node_id]
+        trips = node.trips
+        if node.loop is not None and node_id in getattr(graph.loops[node.loop], side):
+            trips /= graph.loops[node.loop].trips
+        return trips
+
     for node in graph.nodes:
         s = intra.node_strategies[node.id]
         c, k = cost.node_time(graph, node, s)
@@ -105,8 +118,19 @@ def op_rows(graph: Graph, cost: AlphaBetaCost, intra: IntraPlan) -> list[OpRow]:
                 continue
             seen.add((v, src, dst))
             comms = cost.reshard_comms(graph.values[v], src, dst)
-            k += node.trips * collectives.comms_time(comms, cost.mesh, cost.links)
+            trips = min(trips_at(node.id, "enter"), trips_at(producer.get(v), "leave"))
+            k += trips * collectives.comms_time(comms, cost.mesh, cost.links)
         rows.append(OpRow(node.primitive, node.name, s.name, c, k))
+    # what a loop body hands its next iteration, resharded into the carry's layout (as the
+    # ILP prices it: intra.problem), on the carry's loop_carry row
+    for src, carry, trips in graph.carry_edges():
+        a, b = specs.get(src), specs.get(carry)
+        if a is None or b is None or a == b or carry not in producer:
+            continue
+        comms = cost.reshard_comms(graph.values[src], a, b)
+        row = rows[producer[carry]]
+        rows[producer[carry]] = dataclasses.replace(
+            row, comm_s=row.comm_s + trips * collectives.comms_time(comms, cost.mesh, cost.links))
     return rows
 
 

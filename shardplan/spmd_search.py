@@ -92,7 +92,8 @@ def spmd_plan(intra: Plan, full: spmd_cost.Priced, stage: spmd_cost.Priced | Non
     stacked parameters (and what has their shape: the optimizer's moments) split over the
     stages on their layer dimension, every other input laid out as `intra` lays it out; the
     plan's `constraints` are the specs of the scan's carries (by position) that the stage body
-    holds them in. The estimate: the stage program under the cost model with the schedule's
+    holds them in, its `operand_specs` ((equation of the scan's body, operand) -> (spec,)) the
+    layouts a layer reads its operands in (spmd_cost.body_operand_specs). The estimate: the stage program under the cost model with the schedule's
     ticks and the permutes (shardplan.inter.spmd_cost)."""
     shape = shape_of(mesh)
     S, M, L = lt.num_stages, lt.num_micro_batches, lt.scan.length
@@ -111,6 +112,7 @@ def spmd_plan(intra: Plan, full: spmd_cost.Priced, stage: spmd_cost.Priced | Non
     ids = stage_devices(mesh, shape, p_names, p_sizes)
     pmesh = MeshShape(p_names, p_sizes)
     carries = spmd_cost.carry_specs(stage, lt) if stage is not None else None
+    inside = spmd_cost.body_operand_specs(stage, lt) if stage is not None else {}
     cost = spmd_cost.spmd_cost(full, stage, lt, pmesh, hardware,
                                pipeline_order(mesh, shape, p_sizes), sched)
     est = dataclasses.replace(cost.estimate, bubble_fraction=bubble)
@@ -136,7 +138,8 @@ def spmd_plan(intra: Plan, full: spmd_cost.Priced, stage: spmd_cost.Priced | Non
                                              if cost.found else "")
     plan = dataclasses.replace(
         intra, mesh=pmesh, input_specs=tuple(ins), output_specs=outs,
-        constraints=dict(enumerate(carries or ())), operand_specs={}, estimate=est,
+        constraints=dict(enumerate(carries or ())),
+        operand_specs={k: (spec,) for k, spec in sorted(inside.items())}, estimate=est,
         stages=stages, notes=(why, how, estimate), num_micro_batches=M, schedule=sched,
         pipeline_kind="spmd", ops=(), memory_budget=options.memory_budget)
     return plan, cost

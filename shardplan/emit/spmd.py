@@ -22,7 +22,7 @@ transposes to the reverse permute, so the backward runs the same schedule mirror
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,16 +51,18 @@ def pipeline_mesh(mesh: Mesh, num_stages: int) -> Mesh:
 
 
 def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
-                   num_micro_batches: int, carry_specs: Sequence | None = None) -> list:
+                   num_micro_batches: int, carry_specs: Sequence | None = None,
+                   operand_specs: Mapping | None = None) -> list:
     """The outputs of scan `eqn` on `ins`, computed by a GPipe pipeline over the mesh's stage
     axis. `micro_eqn` is the same scan traced on one micro-batch (its body runs per tick);
-    `carry_specs`: the PartitionSpecs its layers hold the carry in (layer_scan.stage_layers)."""
+    `carry_specs`, `operand_specs`: the PartitionSpecs its layers hold the carry in and read
+    their operands in (layer_scan.stage_layers)."""
     p = eqn.params
     S, M, L = num_stages, num_micro_batches, int(p["length"])
     nc, nk = p["num_consts"], p["num_carry"]
     consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + nk]), list(ins[nc + nk:])
     B = carry[0].shape[0]
-    layers = layer_scan.stage_layers(micro_eqn, L // S, carry_specs)
+    layers = layer_scan.stage_layers(micro_eqn, L // S, carry_specs, operand_specs)
 
     carry_m = [c.reshape(M, B // M, *c.shape[1:]) for c in carry]
     xs_s = [x.reshape(S, L // S, *x.shape[1:]) for x in xs]
@@ -111,6 +113,9 @@ class PipelinedGrad:
     schedule: str = "gpipe"
     carry_specs: tuple | None = None
     """PartitionSpecs the stage body holds the scan's carries in (None: XLA propagates)."""
+    operand_specs: tuple = ()
+    """((body equation, operand), PartitionSpec) pairs: the layouts the layer reads its
+    operands in, the stage's intra-op plan (empty: XLA propagates)."""
 
     def value_and_grad(self, fun, argnums, has_aux, args, kwargs):
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
@@ -123,7 +128,7 @@ class PipelinedGrad:
         if self.schedule == "1f1b":
             loss, grads = spmd_1f1b.pipelined_loss_and_grad(
                 lt, flat, diff, self.mesh, self.num_stages, self.num_micro_batches,
-                self.carry_specs)
+                self.carry_specs, dict(self.operand_specs))
             out = jax.tree_util.tree_unflatten(lt.out_tree, [loss])
             grads = jax.tree_util.tree_unflatten(diff_tree, grads)
             return ((out[0], out[1]) if has_aux else out,
@@ -132,7 +137,8 @@ class PipelinedGrad:
 
         def rewrite(eqn, ins):
             return pipelined_scan(eqn, ins, micro_eqn, self.mesh, self.num_stages,
-                                  self.num_micro_batches, self.carry_specs)
+                                  self.num_micro_batches, self.carry_specs,
+                                  dict(self.operand_specs))
 
         def loss(diff_args):
             leaves = list(flat)
@@ -152,12 +158,14 @@ class PipelinedGrad:
 
 def emit_spmd(fn, mesh: Mesh, num_stages: int, num_micro_batches: int, in_shardings,
               out_shardings=None, donate_argnums=(), schedule: str = "gpipe",
-              carry_specs: Sequence | None = None):
+              carry_specs: Sequence | None = None, operand_specs: Mapping | None = None):
     """The step `fn` as one jax.jit whose shardplan.value_and_grad call runs an SPMD pipeline
     on `mesh` (which has the stage axis), GPipe or 1F1B (shardplan.emit.spmd_1f1b);
-    `carry_specs` (PartitionSpecs, the plan's): the layout of the activation in the stages."""
+    `carry_specs` (PartitionSpecs, the plan's): the layout of the activation in the stages;
+    `operand_specs` ((body equation, operand) -> PartitionSpec): the layouts inside a layer."""
     interceptor = PipelinedGrad(mesh, num_stages, num_micro_batches, schedule,
-                                None if carry_specs is None else tuple(carry_specs))
+                                None if carry_specs is None else tuple(carry_specs),
+                                tuple(sorted((operand_specs or {}).items())))
 
     def step(*args):
         with intercepting(interceptor):
@@ -165,3 +173,18 @@ def emit_spmd(fn, mesh: Mesh, num_stages: int, num_micro_batches: int, in_shardi
 
     return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
                    donate_argnums=donate_argnums)
+
+
+def emit_plan(fn, plan, mesh: Mesh, donate_argnums=()):
+    """The SPMD pipeline `plan` (shardplan.spmd_search: its `constraints` the carries' specs by
+    position, its `operand_specs` the layouts inside a layer by (body equation, operand)) of
+    the step `fn` as one jax.jit on the pipeline mesh `mesh`: (jitted, the plan placed on
+    `mesh`)."""
+    placed = dataclasses.replace(plan, device_mesh=mesh)
+    carries = [plan.constraints[k].to_partition_spec() for k in sorted(plan.constraints)]
+    operands = {k: route[-1].to_partition_spec() for k, route in plan.operand_specs.items()
+                if route}
+    jitted = emit_spmd(fn, mesh, len(plan.stages), plan.num_micro_batches,
+                       placed.in_shardings, placed.out_shardings, tuple(donate_argnums),
+                       plan.schedule, carries or None, operands)
+    return jitted, placed

@@ -17,7 +17,7 @@ collected; those of the layers and of `post` are accumulated in the loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -114,10 +114,12 @@ class Cut:
 
 def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], mesh: Mesh,
                             num_stages: int, num_micro_batches: int,
-                            carry_specs: Sequence | None = None):
+                            carry_specs: Sequence | None = None,
+                            operand_specs: Mapping | None = None):
     """(loss, gradient leaves of the flat positions `diff`) of the traced loss, by a 1F1B
     SPMD pipeline over the mesh's stage axis; `carry_specs`: the PartitionSpecs the layers
-    hold the carry in (layer_scan.stage_layers)."""
+    hold the carry in, `operand_specs` the layouts a layer reads its operands in
+    (layer_scan.stage_layers)."""
     S, M = num_stages, num_micro_batches
     B = lt.scan.batch
     L = lt.scan.length
@@ -127,7 +129,7 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
     if len(cut.outvars) != 1:
         raise ValueError("SPMD pipeline, 1F1B: the loss function returns auxiliary values "
                          "(has_aux with leaves); use schedule='gpipe'")
-    layers = stage_layers(cut.scan, L // S, carry_specs)
+    layers = stage_layers(cut.scan, L // S, carry_specs, operand_specs)
     diff = list(diff)
     dpos = {i: k for k, i in enumerate(diff)}
 

@@ -17,7 +17,7 @@ dimension is the carry's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -232,13 +232,21 @@ def probe_step(fn: Callable, args: Sequence,
     return probe.found
 
 
-def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None):
+def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None,
+                 operand_specs: Mapping[tuple[int, int], Any] | None = None):
     """layers(consts, carry, xs) -> carry: the scan's own body over `num_layers` layers (one
     stage's), traced again rather than re-bound: inside shard_map the body's types must say
     which values vary over the stage axis. `carry_specs` (PartitionSpecs over the mesh's
     other axes, or None): the layout every layer takes and gives its carry in, the intra-op
     plan's (left alone, XLA's propagation may split a micro-batch's hidden dimension instead
-    of its rows and gather it at every layer)."""
+    of its rows and gather it at every layer). `operand_specs` ((equation index in the body,
+    operand index) -> PartitionSpec): the layouts the plan's layer reads its operands in (the
+    stage's intra-op plan applied inside the layer; spmd_cost.body_operand_specs)."""
+    given = dict(operand_specs or {})
+
+    def operand(i, j, x):
+        spec = given.get((i, j))
+        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
     body, nk = micro_eqn.params["jaxpr"], micro_eqn.params["num_carry"]
 
     def hold(c):
@@ -248,7 +256,8 @@ def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None
 
     def layers(consts, carry, xs):
         def one(c, x):
-            outs = interpret.eval_jaxpr(body, [*consts, *hold(c), *x])
+            outs = interpret.eval_jaxpr(body, [*consts, *hold(c), *x],
+                                        operand=operand if given else None)
             return hold(outs[:nk]), None
 
         return list(jax.lax.scan(one, list(carry), list(xs), length=num_layers,

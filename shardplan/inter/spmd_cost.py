@@ -207,6 +207,41 @@ def carry_specs(stage: Priced, lt: LossTrace) -> tuple[ShardSpec, ...] | None:
     return parts.carries or None
 
 
+def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], ShardSpec]:
+    """The layouts the stage's intra-op plan reads each operand of the layer in: {(equation
+    index in the loss's scan body, operand index): spec}, for the stage body to be held in
+    (shardplan.inter.layer_scan.stage_layers). The planned graph's forward scan body is the
+    layer's equations with the residuals autodiff adds; the layer's equations are matched to
+    its nodes in order by primitive and output shapes (an equation not found, or a call such as
+    remat whose body the graph inlined, is left to XLA). Partial specs are left out."""
+    fwd, _ = layer_loops(stage.graph, lt)
+    graph, intra = stage.graph, stage.intra
+    outer = [lp for lp in sorted(fwd) if graph.loops[lp].parent not in fwd]
+    if not outer:
+        return {}
+    loop = graph.loops[outer[0]]
+    pseudo = set(loop.enter) | set(loop.leave)
+    nodes = [graph.nodes[n] for n in loop.bodies[-1].nodes
+             if graph.nodes[n].loop == loop.id and n not in pseudo]
+    body = lt.micro.jaxpr.eqns[lt.micro_scan.index].params["jaxpr"].jaxpr
+    out, at = {}, 0
+    for i, eqn in enumerate(body.eqns):
+        shapes = [tuple(v.aval.shape) for v in eqn.outvars]
+        for k in range(at, len(nodes)):
+            node = nodes[k]
+            if (node.primitive == eqn.primitive.name and len(node.inputs) == len(eqn.invars)
+                    and [graph.values[v].shape for v in node.outputs] == shapes):
+                strategy = intra.node_strategies.get(node.id)
+                for j, (v, spec) in enumerate(zip(eqn.invars, strategy.in_specs
+                                                  if strategy else ())):
+                    if (not isinstance(v, Literal) and spec is not None and not spec.partial
+                            and len(spec.dims) == len(v.aval.shape) and spec.dims):
+                        out[(i, j)] = spec
+                at = k + 1
+                break
+    return out
+
+
 def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape,
               hw: HardwareProfile, device_order: Sequence[int] | None, schedule: str
               ) -> SpmdCost:

@@ -132,14 +132,16 @@ def _run_loop(graph: Graph, loop: Loop, env: dict, hooks: Hooks) -> None:
         env[r] = hooks.value(r, x)
 
 
-def eval_jaxpr(closed, args: Sequence, override: dict[int, Callable] | None = None) -> list:
+def eval_jaxpr(closed, args: Sequence, override: dict[int, Callable] | None = None,
+               operand: Callable | None = None) -> list:
     """The outputs of a ClosedJaxpr on `args`, its top-level equations bound again; equation i
     in `override` runs `override[i](eqn, inputs) -> outputs` instead (the SPMD pipeline's
-    rewrite of a scan over layers)."""
+    rewrite of a scan over layers); `operand(i, j, x)`, if given, is what equation i reads as
+    its operand j (a layout constraint)."""
     jaxpr, consts = _compat.open_jaxpr(closed)
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    run_eqns(jaxpr.eqns, env, override)
+    run_eqns(jaxpr.eqns, env, override, operand)
     return [read_var(env, v) for v in jaxpr.outvars]
 
 
@@ -148,12 +150,15 @@ def read_var(env: dict, v):
     return v.val if isinstance(v, _compat.Literal) else env[v]
 
 
-def run_eqns(eqns: Sequence, env: dict, override: dict[int, Callable] | None = None) -> dict:
+def run_eqns(eqns: Sequence, env: dict, override: dict[int, Callable] | None = None,
+             operand: Callable | None = None) -> dict:
     """Bind `eqns` again in order, reading and writing `env` (jaxpr variable -> value);
-    `override` as for eval_jaxpr, by position in `eqns`."""
+    `override` and `operand` as for eval_jaxpr, by position in `eqns`."""
     override = override or {}
     for i, eqn in enumerate(eqns):
         ins = [read_var(env, v) for v in eqn.invars]
+        if operand is not None:
+            ins = [operand(i, j, x) for j, x in enumerate(ins)]
         outs = override[i](eqn, ins) if i in override else _compat.bind_eqn(eqn, ins)
         for v, x in zip(eqn.outvars, outs):
             if not _compat.is_drop_var(v):
