@@ -69,7 +69,14 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
     ticks = M + S - 1
     forward = [(i, i + 1) for i in range(S - 1)]
 
+    # the cotangent of an input every stage reads whole is a psum over the stages: in float32
+    # where a 16-bit one would abort XLA:CPU (layer_scan.stage_psum)
+    dtypes = [x.dtype for x in (*consts, *carry_m)]
+    wide = layer_scan.stage_psum_dtypes(dtypes, mesh)
+
     def stage(consts, carry_m, xs_s):
+        consts = [x.astype(d) for x, d in zip(consts, dtypes)]
+        carry_m = [x.astype(d) for x, d in zip(carry_m, dtypes[len(consts):])]
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
         first, last = s == 0, s == S - 1
@@ -91,14 +98,15 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
         state = [jnp.zeros_like(c[0]) for c in carry_m]
         outs = [jnp.zeros_like(c) for c in carry_m]
         _, outs = jax.lax.fori_loop(0, ticks, tick, (state, outs))
-        return [jax.lax.psum(o, STAGE_AXIS) for o in outs]  # nonzero on the last stage only
+        return layer_scan.stage_psum(outs, mesh)  # nonzero on the last stage only
 
     # check_vma=False: with it on, jax 0.10.2 fails an internal assertion (ManualAxisType) in
     # the JVP of the re-bound layer body; unchecked, an unsplit input's cotangent is summed
     # over the stages and the outputs' psum transposes as it should (the tests compare).
     run = jax.shard_map(stage, mesh=mesh, in_specs=(P(), P(), P(STAGE_AXIS)), out_specs=P(),
                         axis_names=frozenset({STAGE_AXIS}), check_vma=False)
-    outs = run(consts, carry_m, xs_s)
+    outs = run([x.astype(d) for x, d in zip(consts, wide)],
+               [x.astype(d) for x, d in zip(carry_m, wide[len(consts):])], xs_s)
     return [o.reshape(B, *o.shape[2:]) for o in outs]
 
 

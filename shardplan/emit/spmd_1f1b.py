@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardplan import _compat
-from shardplan.inter.layer_scan import STAGE_AXIS, LossTrace, stage_layers
+from shardplan.inter.layer_scan import STAGE_AXIS, LossTrace, stage_layers, stage_psum
 from shardplan.ir import interpret
 
 
@@ -223,7 +223,7 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
                 [jnp.zeros_like(c) for c in carry_m], jnp.zeros((), jnp.float32))
         out = jax.lax.fori_loop(0, ticks, tick, init)
         _, _, _, g_local, g_consts, g_args, g_pre, g_carry, loss = out
-        total = [jax.lax.psum(v, STAGE_AXIS) for v in (g_consts, g_args, g_pre, g_carry, loss)]
+        total = [stage_psum(v, mesh) for v in (g_consts, g_args, g_pre, g_carry, loss)]
         return ([g[None] for g in g_local], *total)
 
     run = jax.shard_map(stage, mesh=mesh,

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from shardplan._compat import ClosedJaxpr
@@ -46,6 +47,35 @@ def pipeline_mesh_shape(names: Sequence[str], sizes: Sequence[int],
     if n % num_stages:
         raise ValueError(f"{num_stages} pipeline stages do not divide the mesh's {n} devices")
     return (STAGE_AXIS, "data"), (num_stages, n // num_stages)
+
+
+def stage_psum(tree, mesh):
+    """jax.lax.psum over the stage axis inside the pipeline's shard_map. On XLA:CPU a psum of a
+    16-bit float over the manual axis of a shard_map that leaves other mesh axes automatic
+    aborts the process while compiling ("Invalid binary instruction opcode copy", jax 0.10.2;
+    f32, or every axis manual, compile): there it is summed in float32 and cast back."""
+    widen = _widens(mesh)
+
+    def one(x):
+        if widen and x.dtype in _NARROW:
+            return jax.lax.psum(x.astype(jnp.float32), STAGE_AXIS).astype(x.dtype)
+        return jax.lax.psum(x, STAGE_AXIS)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+_NARROW = (jnp.bfloat16, jnp.float16)
+
+
+def _widens(mesh) -> bool:
+    return mesh.devices.flat[0].platform == "cpu"
+
+
+def stage_psum_dtypes(dtypes: Sequence, mesh) -> list:
+    """The dtypes to pass values every stage reads whole into the pipeline's shard_map in: their
+    cotangents are psums over the stages (stage_psum's reason), float32 for 16-bit floats on
+    XLA:CPU."""
+    return [jnp.float32 if _widens(mesh) and d in _NARROW else d for d in dtypes]
 
 
 @dataclasses.dataclass(frozen=True)
