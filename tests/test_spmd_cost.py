@@ -73,7 +73,7 @@ def test_a_stage_whose_plan_has_collectives_is_priced_within_10_percent(schedule
     plan = choice.plan
     assert plan.operand_specs and any(s[0].dims != ((),) * len(s[0].dims)
                                       for s in plan.operand_specs.values())
-    stats, priced = measure.price_spmd(step, args, plan, mesh, hw, "float32")
+    _, priced = measure.price_spmd(step, args, plan, mesh, hw, "float32")
     S, per_stage = 2, L // 2
     ticks = M + S - 1 if schedule == "gpipe" else M + 2 * S - 2
     assert priced.per_kind["all-gather"].count == ticks * per_stage * (

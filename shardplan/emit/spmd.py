@@ -12,7 +12,9 @@ pipeline on all devices, under the intra-op plan's shardings.
 `pipelined_scan`: the stacked parameters [L, ...] are reshaped [S, L/S, ...] and split over
 the mesh's `stage` axis, the carry (the activation) cut into M micro-batches, and a loop of
 M + S - 1 ticks runs inside `jax.shard_map`, manual over the stage axis only (the other mesh
-axes stay auto, so sharding propagation and constraints act inside): at tick t stage s runs
+axes stay auto, so sharding propagation and constraints act inside; the layers hold the
+carry and read their operands in the stage's intra-op plan's layouts, the plan's
+`constraints` and `operand_specs`): at tick t stage s runs
 its L/S layers (the scan's own body) on micro-batch t - s and hands the result to stage s + 1
 with `lax.ppermute`. The last stage collects the outputs; a psum over the stage axis gives
 them to every stage. The backward pass is JAX's autodiff through the loop: each ppermute

@@ -23,7 +23,9 @@ plus the collectives over the stage axis: every tick a permute of one micro-batc
 (forward, and its cotangent backward), and all-reduces of the full activation (GPipe: the
 outputs' psum, its transpose and the carry's cotangent; 1F1B: one psum of the carry's
 cotangent and the head's gradients). The activation is laid out as the plan lays out the
-scan's carry (the stage body is constrained to it: shardplan.emit.spmd).
+scan's carry (the stage body is constrained to it, and each layer's operands to the layouts
+the stage program's plan reads them in: body_operand_specs, shardplan.emit.spmd). The op rows
+price a loop's carry edges and its entry once per entry, as the ILP does.
 
 Memory: the stacked state is divided by the stages; the layers' saved activations scale by
 the ticks a stage keeps them for (GPipe T/(S M), 1F1B at most 2S-1 micro-batches).
