@@ -76,9 +76,12 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
     dtypes = [x.dtype for x in (*consts, *carry_m)]
     wide = layer_scan.stage_psum_dtypes(dtypes, mesh)
 
+    def hold(values, lead=0):  # the activation in the plan's layout everywhere it goes
+        return layer_scan.held(values, carry_specs, lead)
+
     def stage(consts, carry_m, xs_s):
         consts = [x.astype(d) for x, d in zip(consts, dtypes)]
-        carry_m = [x.astype(d) for x, d in zip(carry_m, dtypes[len(consts):])]
+        carry_m = hold([x.astype(d) for x, d in zip(carry_m, dtypes[len(consts):])], 1)
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
         first, last = s == 0, s == S - 1
@@ -87,18 +90,18 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
             state, outs = loop
             fresh = [jax.lax.dynamic_index_in_dim(c, jnp.minimum(t, M - 1), keepdims=False)
                      for c in carry_m]
-            inp = [jnp.where(first, f, x) for f, x in zip(fresh, state)]
+            inp = hold([jnp.where(first, f, x) for f, x in zip(fresh, state)])
             y = layers(consts, inp, local)
             m = t - (S - 1)
             write = last & (m >= 0)
             at = jnp.clip(m, 0, M - 1)
-            outs = [jnp.where(write, jax.lax.dynamic_update_index_in_dim(o, v, at, 0), o)
-                    for o, v in zip(outs, y)]
-            state = [jax.lax.ppermute(v, STAGE_AXIS, forward) for v in y]
+            outs = hold([jnp.where(write, jax.lax.dynamic_update_index_in_dim(o, v, at, 0), o)
+                         for o, v in zip(outs, y)], 1)
+            state = hold([jax.lax.ppermute(v, STAGE_AXIS, forward) for v in y])
             return state, outs
 
-        state = [jnp.zeros_like(c[0]) for c in carry_m]
-        outs = [jnp.zeros_like(c) for c in carry_m]
+        state = hold([jnp.zeros_like(c[0]) for c in carry_m])
+        outs = hold([jnp.zeros_like(c) for c in carry_m], 1)
         _, outs = jax.lax.fori_loop(0, ticks, tick, (state, outs))
         return layer_scan.stage_psum(outs, mesh)  # nonzero on the last stage only
 

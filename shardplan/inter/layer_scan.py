@@ -262,6 +262,18 @@ def probe_step(fn: Callable, args: Sequence,
     return probe.found
 
 
+def held(values: Sequence, specs: Sequence | None, lead: int = 0) -> list:
+    """`values` (activations: the scan's carries, or stacks of them with `lead` leading
+    dimensions) constrained to the carries' PartitionSpecs (None: left to XLA). Inside the
+    pipeline every value the activation passes through is held so: XLA gives a loop's carry
+    the layout of its initial value, and one unconstrained value lets the layout of the
+    outside (the embedding's output) into the loops, to be resharded at every layer."""
+    if specs is None:
+        return list(values)
+    return [jax.lax.with_sharding_constraint(v, jax.sharding.PartitionSpec(*[None] * lead, *p))
+            for v, p in zip(values, specs)]
+
+
 def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None,
                  operand_specs: Mapping[tuple[int, int], Any] | None = None):
     """layers(consts, carry, xs) -> carry: the scan's own body over `num_layers` layers (one
@@ -280,17 +292,16 @@ def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None
     body, nk = micro_eqn.params["jaxpr"], micro_eqn.params["num_carry"]
 
     def hold(c):
-        if carry_specs is None:
-            return list(c)
-        return [jax.lax.with_sharding_constraint(v, p) for v, p in zip(c, carry_specs)]
+        return held(c, carry_specs)
 
     def layers(consts, carry, xs):
         def one(c, x):
-            outs = interpret.eval_jaxpr(body, [*consts, *hold(c), *x],
-                                        operand=operand if given else None)
+            ins = [*consts, *hold(c), *x]
+            outs = (interpret.eval_leaves(body, ins, operand) if given
+                    else interpret.eval_jaxpr(body, ins))
             return hold(outs[:nk]), None
 
-        return list(jax.lax.scan(one, list(carry), list(xs), length=num_layers,
+        return list(jax.lax.scan(one, hold(carry), list(xs), length=num_layers,
                                  unroll=micro_eqn.params["unroll"])[0])
 
     return layers

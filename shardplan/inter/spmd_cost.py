@@ -47,6 +47,7 @@ from shardplan.cost.estimate import Estimate
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.inter.layer_scan import STAGE_AXIS, LossTrace
 from shardplan.intra.planner import IntraPlan
+from shardplan.ir import interpret
 from shardplan.ir.graph import Graph
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import fmt_bytes, fmt_seconds
@@ -227,20 +228,29 @@ def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], Sh
              if graph.nodes[n].loop == loop.id and n not in pseudo]
     body = lt.micro.jaxpr.eqns[lt.micro_scan.index].params["jaxpr"].jaxpr
     out, at = {}, 0
-    for i, eqn in enumerate(body.eqns):
+    for i, eqn in enumerate(interpret.leaf_eqns(body)):
         shapes = [tuple(v.aval.shape) for v in eqn.outvars]
+        # the node's inputs: every operand, or (lift drops literals) the non-literal ones
+        operands = [j for j, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
         for k in range(at, len(nodes)):
             node = nodes[k]
-            if (node.primitive == eqn.primitive.name and len(node.inputs) == len(eqn.invars)
-                    and [graph.values[v].shape for v in node.outputs] == shapes):
-                strategy = intra.node_strategies.get(node.id)
-                for j, (v, spec) in enumerate(zip(eqn.invars, strategy.in_specs
-                                                  if strategy else ())):
-                    if (not isinstance(v, Literal) and spec is not None and not spec.partial
-                            and len(spec.dims) == len(v.aval.shape) and spec.dims):
-                        out[(i, j)] = spec
-                at = k + 1
-                break
+            if (node.primitive != eqn.primitive.name
+                    or [graph.values[v].shape for v in node.outputs] != shapes):
+                continue
+            if len(node.inputs) == len(eqn.invars):
+                positions = list(range(len(eqn.invars)))
+            elif len(node.inputs) == len(operands):
+                positions = operands
+            else:
+                continue
+            strategy = intra.node_strategies.get(node.id)
+            for j, spec in zip(positions, strategy.in_specs if strategy else ()):
+                v = eqn.invars[j]
+                if (not isinstance(v, Literal) and spec is not None and not spec.partial
+                        and spec.dims and len(spec.dims) == len(v.aval.shape)):
+                    out[(i, j)] = spec
+            at = k + 1
+            break
     return out
 
 
