@@ -80,6 +80,8 @@ class SpmdCost:
     """Flops per device of the pipelined step (the schedule's ticks, recomputation included):
     what the compiled program's flops (loops at their trip counts) are checked against."""
     stages: int = 1
+    grad_reduce_s: float = 0.0
+    """The layers' partial gradients reduced into the accumulator at every tick."""
 
     def explain(self, schedule: str, ticks: int) -> str:
         if not self.found:
@@ -93,6 +95,8 @@ class SpmdCost:
                 f"{fmt_seconds(self.layers_s)}"
                 + (f" (the head and loss every tick: {fmt_seconds(self.post_s)} at full batch)"
                    if schedule == "1f1b" else "")
+                + (f" + the layers' gradients reduced every tick "
+                   f"{fmt_seconds(self.grad_reduce_s)}" if self.grad_reduce_s else "")
                 + f" + permutes {fmt_seconds(self.permute_s)} + all-reduces over the stages "
                 f"{fmt_seconds(self.allreduce_s)} (activation {fmt_bytes(self.carry_bytes)} "
                 f"per device); memory: stacked state / {self.stages}, activations kept for the "
@@ -158,6 +162,10 @@ class _Parts:
     carry_bytes: float
     resid_bytes: float
     carries: tuple[ShardSpec, ...]
+    partial_grads: tuple[tuple[float, tuple[str, ...]], ...] = ()
+    """(bytes per device, mesh axes) of each per-layer value the backward scan stacks as a
+    partial sum (a weight's gradient over split rows): the plan reduces it once after the
+    loop, the pipeline's accumulator at every tick."""
 
 
 def node_flops(p: Priced, nodes) -> float:
@@ -198,9 +206,20 @@ def _parts(p: Priced, lt: LossTrace, batch: int) -> _Parts:
     post = [n for n in sorted(post) if any(
         graph.values[v].shape[:1] == (batch,)
         for v in (*graph.nodes[n].inputs, *graph.nodes[n].outputs))]
+    partial = []
+    for lp in sorted(bwd):
+        loop = graph.loops[lp]
+        if loop.parent in bwd:
+            continue
+        for n in loop.leave:
+            node = graph.nodes[n]
+            spec = intra.value_specs.get(node.inputs[0]) if node.inputs else None
+            if node.primitive == "loop_stack" and spec is not None and spec.partial:
+                partial.append((graph.values[node.inputs[0]].nbytes
+                                / spec.num_shards(intra.mesh), tuple(spec.partial)))
     return _Parts(fwd, bwd, cost(n.id for n in graph.nodes if n.loop in fwd),
                   cost(n.id for n in graph.nodes if n.loop in bwd), cost(post), carry_bytes,
-                  resid, tuple(carries))
+                  resid, tuple(carries), tuple(partial))
 
 
 def carry_specs(stage: Priced, lt: LossTrace) -> tuple[ShardSpec, ...] | None:
@@ -296,6 +315,11 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
         reduced = [carry_bytes + _post_param_bytes(lt) + 4.0]
     allreduce = math.fsum(ring.collective_time("all-reduce", x, STAGE_AXIS, mesh, links)
                           for x in reduced)
+    # the layers' gradients summed into the stage's accumulator every tick: a partial one is
+    # reduced there (the plan reduced it once, after its backward scan)
+    per_layer = math.fsum(ring.collective_time("all-reduce", b, axes, mesh, links)
+                          for b, axes in small.partial_grads)
+    grad_reduce = ticks * per_layer * lt.scan.length / S
     sub = full.intra.mesh
     stacked = set(lt.scan.xs_shapes)
     stacked_state = math.fsum(
@@ -307,13 +331,14 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
     else:  # the inputs of at most 2S - 1 micro-batches, one tick's residuals
         kept = min(M, 2 * S - 1) * small.carry_bytes + small.resid_bytes / S
     peak = e.peak_bytes - stacked_state * (1 - 1 / S) - big.resid_bytes + kept
-    est = Estimate(compute_s=rest_c + lay[0], comm_s=rest_k + lay[1] + permute + allreduce,
+    est = Estimate(compute_s=rest_c + lay[0],
+                   comm_s=rest_k + lay[1] + permute + allreduce + grad_reduce,
                    peak_bytes=max(peak, 0.0),
                    state_bytes=e.state_bytes - stacked_state * (1 - 1 / S),
                    comm_bytes=e.comm_bytes)
     return SpmdCost(est, rest_c + rest_k, (f[0] + f[1]) / S, (b[0] + b[1]) / S,
                     big.post[0] + big.post[1], permute, allreduce, lay[0] + lay[1], carry_bytes,
-                    found, rest[2] + lay[2], S)
+                    found, rest[2] + lay[2], S, grad_reduce)
 
 
 def _post_param_bytes(lt: LossTrace) -> float:
