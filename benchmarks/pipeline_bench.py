@@ -253,7 +253,28 @@ def spmd_table(rows) -> str:
                 continue
             est_label = f"SPMD 1F1B {S} stages, M={x['M']}, bubble {x['bubble']:.0%}"
             lines.append(cells(r["cluster"], x["estimate"], x.get("priced")))
+    lines.append("")
+    for r in rows:
+        lines.append(f"{r['cluster']}: pipeline='auto' keeps {_pick(r, 'estimate')} by the cost "
+                     "model" + (f", {_pick(r, 'priced')} as compiled and priced"
+                                if r.get("intra_priced") is not None else ""))
     return "\n".join(lines)
+
+
+def _pick(row, by: str) -> str:
+    """What pipeline='auto' keeps: the SPMD pipeline whose step (estimated, or compiled and
+    priced) beats the intra-op plan's by the most, else the intra-op plan."""
+    def time_of(x):
+        if by == "estimate":
+            return x.get("estimate")
+        return x["priced"].total_s if x.get("priced") is not None else None
+
+    intra = row["intra"] if by == "estimate" else row["intra_priced"].total_s
+    best = min(((t, S) for S, x in row["spmd"].items() if (t := time_of(x)) is not None),
+               default=None)
+    if best is None or best[0] >= intra:
+        return "the intra-op plan"
+    return f"the SPMD pipeline of {best[1]} stages ({intra / best[0]:.2f}x)"
 
 
 def main(argv=None):
