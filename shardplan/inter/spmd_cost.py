@@ -320,6 +320,11 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
     per_layer = math.fsum(ring.collective_time("all-reduce", b, axes, mesh, links)
                           for b, axes in small.partial_grads)
     grad_reduce = ticks * per_layer * lt.scan.length / S
+    # the full-batch plan (`rest`) reduces its partial ones once, after its backward scan;
+    # the pipeline does not (its accumulator is reduced at every tick, above or in B)
+    once = math.fsum(ring.collective_time("all-reduce", b * lt.scan.length, axes, mesh, links)
+                     for b, axes in big.partial_grads)
+    rest_k = max(rest_k - once, 0.0)
     sub = full.intra.mesh
     stacked = set(lt.scan.xs_shapes)
     stacked_state = math.fsum(
