@@ -8,10 +8,12 @@ the time planning took.
 With --spmd: the SPMD pipeline instead (the zoo's GPT with its layers scanned, one program in
 shard_map over a `stage` axis) for 2, 4 and 8 stages against the intra-op plan of the same
 step on the whole mesh, both by the cost model, and compiled on CPU devices and priced by the
-profile where --compile names the cluster (abstract inputs: nothing allocated; 8x8 needs 64
-CPU devices and is estimated only by default):
+profile where --compile names the cluster (abstract inputs: nothing allocated; 8x8 takes 64
+CPU devices; both clusters at full size, 32 layers, batch 64, f32, compile and price in about
+3 minutes here), and what pipeline="auto" keeps by the estimate and as priced:
 
-    .venv/bin/python benchmarks/pipeline_bench.py --spmd --size 6.7b --batch 64 --compile 2x4
+    .venv/bin/python benchmarks/pipeline_bench.py --spmd --size 6.7b --batch 64 \
+        --dtype float32 --compile 2x4,8x8
 
 The model is the zoo's GPT with a shardplan.stage_boundary after every block but the last,
 so the layers are the blocks (the embedding rides with the first, the head with the last).
@@ -253,7 +255,28 @@ def spmd_table(rows) -> str:
                 continue
             est_label = f"SPMD 1F1B {S} stages, M={x['M']}, bubble {x['bubble']:.0%}"
             lines.append(cells(r["cluster"], x["estimate"], x.get("priced")))
+    lines.append("")
+    for r in rows:
+        lines.append(f"{r['cluster']}: pipeline='auto' keeps {_pick(r, 'estimate')} by the cost "
+                     "model" + (f", {_pick(r, 'priced')} as compiled and priced"
+                                if r.get("intra_priced") is not None else ""))
     return "\n".join(lines)
+
+
+def _pick(row, by: str) -> str:
+    """What pipeline='auto' keeps: the SPMD pipeline whose step (estimated, or compiled and
+    priced) beats the intra-op plan's by the most, else the intra-op plan."""
+    def time_of(x):
+        if by == "estimate":
+            return x.get("estimate")
+        return x["priced"].total_s if x.get("priced") is not None else None
+
+    intra = row["intra"] if by == "estimate" else row["intra_priced"].total_s
+    best = min(((t, S) for S, x in row["spmd"].items() if (t := time_of(x)) is not None),
+               default=None)
+    if best is None or best[0] >= intra:
+        return "the intra-op plan"
+    return f"the SPMD pipeline of {best[1]} stages ({intra / best[0]:.2f}x)"
 
 
 def main(argv=None):

@@ -222,13 +222,9 @@ class AutoStep:
     def _emit_spmd(self, plan: Plan, fp) -> tuple[Plan, Any, Any]:
         """An SPMD pipeline plan emitted as one jit on the pipeline's mesh (shardplan.emit.spmd)."""
         pmesh = spmd_mod.pipeline_mesh(self.mesh, len(plan.stages))
-        plan = dataclasses.replace(plan, device_mesh=pmesh, fingerprint=fp)
-        in_shardings = plan.in_shardings
-        carries = [plan.constraints[k].to_partition_spec() for k in sorted(plan.constraints)]
-        jitted = spmd_mod.emit_spmd(self.fn, pmesh, len(plan.stages), plan.num_micro_batches,
-                                    in_shardings, plan.out_shardings, self.donate_argnums,
-                                    plan.schedule, carries or None)
-        return plan, jitted, in_shardings
+        jitted, plan = spmd_mod.emit_plan(self.fn, dataclasses.replace(plan, fingerprint=fp),
+                                          pmesh, self.donate_argnums)
+        return plan, jitted, plan.in_shardings
 
     def _emit_mpmd(self, plan: Plan, pp, fp) -> tuple[Plan, Any, Any]:
         """An MPMD pipeline: one program per stage on its submesh (shardplan.emit.pipeline);

@@ -24,7 +24,8 @@ from shardplan import fingerprint as fp_mod
 from shardplan.ir.graph import Role
 from shardplan.ir.trace import trace
 from shardplan.plan import Plan
-from shardplan.search import choose, plan_spmd, probe_spmd
+from shardplan.search import choose, plan_spmd
+from shardplan.spmd_search import probe_spmd
 
 
 class PlanMismatchError(RuntimeError):

@@ -374,11 +374,7 @@ def lower_spmd(fn, args: Sequence, plan: Plan, mesh, donate_argnums: Sequence[in
     has the plan's pipeline axes, or is laid out as them) for `args` (arrays or abstract):
     (lowered, the pipeline mesh)."""
     pmesh = spmd.pipeline_mesh(mesh, len(plan.stages))
-    placed = dataclasses.replace(plan, device_mesh=pmesh)
-    carries = [plan.constraints[k].to_partition_spec() for k in sorted(plan.constraints)]
-    jitted = spmd.emit_spmd(fn, pmesh, len(plan.stages), plan.num_micro_batches,
-                            placed.in_shardings, placed.out_shardings, tuple(donate_argnums),
-                            plan.schedule, carries or None)
+    jitted, _ = spmd.emit_plan(fn, plan, pmesh, donate_argnums)
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # donating abstract args warns

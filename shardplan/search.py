@@ -8,23 +8,18 @@ Import names from this module (`from shardplan.search import plan_step`): the at
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import numpy as np
-
+from shardplan import spmd_search
 from shardplan.cost import collectives
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.inter import layer_scan, spmd_cost
-from shardplan.inter import schedule as schedule_mod
 from shardplan.inter import split as split_mod
 from shardplan.inter import stages as stages_mod
 from shardplan.inter.planner import PipelinePlan, plan_pipeline
-from shardplan.inter.stages import Stage
 from shardplan.inter.tables import Cluster
 from shardplan.intra import hints as hints_mod
 from shardplan.intra.options import intra_options
@@ -101,6 +96,19 @@ def op_rows(graph: Graph, cost: AlphaBetaCost, intra: IntraPlan) -> list[OpRow]:
     its operands into the layouts it reads (counted at the first node that reads a value in a
     layout: XLA reshards once for all of them)."""
     specs, seen, rows = intra.value_specs, set(), []
+    producer = {v: node.id for node in graph.nodes for v in node.outputs}
+
+    def trips_at(node_id: int | None, side: str) -> float:
+        # a loop's entry reads, and its exit writes, a value of the enclosing level: resharded
+        # as often as the rarer side runs (intra.problem.Problem.edge_trips)
+        if node_id is None:
+            return 1.0
+        node = graph.nodes[node_id]
+        trips = node.trips
+        if node.loop is not None and node_id in getattr(graph.loops[node.loop], side):
+            trips /= graph.loops[node.loop].trips
+        return trips
+
     for node in graph.nodes:
         s = intra.node_strategies[node.id]
         c, k = cost.node_time(graph, node, s)
@@ -110,8 +118,19 @@ def op_rows(graph: Graph, cost: AlphaBetaCost, intra: IntraPlan) -> list[OpRow]:
                 continue
             seen.add((v, src, dst))
             comms = cost.reshard_comms(graph.values[v], src, dst)
-            k += node.trips * collectives.comms_time(comms, cost.mesh, cost.links)
+            trips = min(trips_at(node.id, "enter"), trips_at(producer.get(v), "leave"))
+            k += trips * collectives.comms_time(comms, cost.mesh, cost.links)
         rows.append(OpRow(node.primitive, node.name, s.name, c, k))
+    # what a loop body hands its next iteration, resharded into the carry's layout (as the
+    # ILP prices it: intra.problem), on the carry's loop_carry row
+    for src, carry, trips in graph.carry_edges():
+        a, b = specs.get(src), specs.get(carry)
+        if a is None or b is None or a == b or carry not in producer:
+            continue
+        comms = cost.reshard_comms(graph.values[src], a, b)
+        row = rows[producer[carry]]
+        rows[producer[carry]] = dataclasses.replace(
+            row, comm_s=row.comm_s + trips * collectives.comms_time(comms, cost.mesh, cost.links))
     return rows
 
 
@@ -254,151 +273,43 @@ def _with_notes(plan: Plan, notes, replace: bool = False) -> Plan:
     return dataclasses.replace(plan, notes=kept + tuple(notes))
 
 
-# -- SPMD pipelines ------------------------------------------------------------------------------
-
-
-def default_micro_batches(batch: int, num_stages: int) -> int:
-    """The fewest micro-batches, at least 2 per stage, that divide the batch (else the batch)."""
-    return next((m for m in range(2 * num_stages, batch + 1) if batch % m == 0), batch)
-
-
-def _shape_of(mesh) -> MeshShape:
-    if isinstance(mesh, MeshShape):
-        return mesh
-    return MeshShape(("devices",), (int(mesh),)) if isinstance(mesh, int) else MeshShape.of(mesh)
-
-
-def probe_spmd(fn, args: Sequence, mesh, options: SearchOptions) -> layer_scan.LossTrace | str:
-    """The step's loss traced for an SPMD pipeline on `mesh` (stages: options.num_stages, the
-    mesh's `stage` axis, or gcd(layers, devices); micro-batches: options.num_micro_batches or
-    default_micro_batches), or why it cannot be one. Traces only: every process may ask."""
-    shape = _shape_of(mesh)
-    n, names = shape.num_devices, tuple(shape.names)
-
-    def pick(scan):
-        S = options.num_stages or (shape.sizes[names.index(layer_scan.STAGE_AXIS)]
-                                   if layer_scan.STAGE_AXIS in names else math.gcd(scan.length, n))
-        if S < 2:
-            raise ValueError(f"no stage count of 2 or more divides both the {scan.length} layers "
-                             f"and the {n} devices; pass num_stages=")
-        M = options.num_micro_batches or default_micro_batches(scan.batch or 1, S)
-        return S, M
-
-    lt = layer_scan.probe_step(fn, args, pick)
-    if isinstance(lt, str) or lt.obstacle is not None:
-        return lt if isinstance(lt, str) else lt.obstacle
-    try:
-        layer_scan.pipeline_mesh_shape(shape.names, shape.sizes, lt.num_stages)
-    except ValueError as e:
-        return str(e)
-    return lt
+# -- SPMD pipelines (the assembly in shardplan.spmd_search) ----------------------------------------
 
 
 def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: SearchOptions,
               traced: TracedStep) -> Choice | str:
     """The SPMD pipeline of the step (shardplan.emit.spmd) where its loss runs its layers as
-    one scan over stacked parameters, or why not. Stages split the scan's layers equally along
-    the mesh's `stage` axis; the step's intra-op plan on one stage's devices (the other axes)
-    lays out every input, the stacked parameters (and what has their shape: the optimizer's
-    moments) split over the stages on their layer dimension; the plan's `constraints` are the
-    specs of the scan's carries (by position) the stage body holds them in. The estimate is
-    the stage program's under the cost model with the schedule's ticks and the permutes
-    (shardplan.inter.spmd_cost)."""
-    shape = _shape_of(mesh)
-    lt = probe_spmd(fn, args, mesh, options)
+    one scan over stacked parameters, or why not: the step planned on one stage's devices at
+    full batch and on one micro-batch (the stage program), assembled by
+    shardplan.spmd_search.spmd_plan."""
+    lt = spmd_search.probe_spmd(fn, args, mesh, options)
     if isinstance(lt, str):
         return lt
-    S, M, L = lt.num_stages, lt.num_micro_batches, lt.scan.length
-    p_names, p_sizes = layer_scan.pipeline_mesh_shape(shape.names, shape.sizes, S)
-    rest = [(a, k) for a, k in zip(p_names, p_sizes) if a != layer_scan.STAGE_AXIS]
-    if not rest:
-        return (f"the mesh has only the {layer_scan.STAGE_AXIS!r} axis: give it a second axis "
-                "(of size 1 if need be) for the intra-op plan of a stage")
-    sub = MeshShape(tuple(a for a, _ in rest), tuple(k for _, k in rest))
+    sub = spmd_search.stage_submesh(mesh, lt)
+    if isinstance(sub, str):
+        return sub
     intra, graph, intra_plan = plan_step(traced, sub, hardware,
                                          options.replace(pipeline=False, measure=False))
-    stacked = {s for s in lt.scan.xs_shapes if s and s[0] == L}
-    ins = []
-    for spec, aval in zip(intra.input_specs, traced.in_avals):
-        if tuple(aval.shape) in stacked:
-            spec = ShardSpec(((layer_scan.STAGE_AXIS,), *spec.dims[1:]), spec.partial)
-        ins.append(spec)
-    ties = traced.arg_info.ties
-    outs = tuple(ins[t] if t is not None else o for t, o in zip(ties, intra.output_specs))
-    sched = options.schedule
-    bubble = schedule_mod.bubble_fraction(S, M, sched, "spmd")
-    ticks = M + S - 1 if sched == "gpipe" else M + 2 * S - 2
-    ids = _stage_devices(mesh, shape, p_names, p_sizes)
-    pmesh = MeshShape(p_names, p_sizes)
     full = spmd_cost.Priced(graph, intra_plan, intra.ops)
     stage = _micro_step(fn, traced, lt, sub, hardware, options, intra.input_specs)
-    carries = spmd_cost.carry_specs(stage, lt) if stage is not None else None
-    cost = spmd_cost.spmd_cost(full, stage, lt, pmesh, hardware,
-                               _pipeline_order(mesh, shape, p_sizes), sched)
-    est = dataclasses.replace(cost.estimate, bubble_fraction=bubble)
-    # a stage's estimate: one micro-batch through its layers, forward and backward, and its
-    # two permutes (as the MPMD stages' estimates are: the latency of one micro-batch)
-    per = dataclasses.replace(est, compute_s=cost.forward_s + cost.backward_s,
-                              comm_s=cost.permute_s / ticks)
-    stages = tuple(Stage((s * L // S, (s + 1) * L // S - 1), sub.sizes, ids[s], per)
-                   for s in range(S))
-    how = (f"GPipe: {M} micro-batches, {ticks} ticks forward and as many backward (JAX's "
-           f"autodiff through the loop), bubble (S-1)/(M+S-1) = {S - 1}/{ticks} = {bubble:.1%}"
-           if sched == "gpipe" else
-           f"1F1B: {M} micro-batches, one loop of {ticks} ticks, each stage running a forward "
-           f"and a backward (jax.vjp, its forward recomputed from the kept input) of different "
-           f"micro-batches per tick, at most {min(M, 2 * S - 1)} inputs kept per stage; bubble "
-           f"(2S-2)/(M+2S-2) = {2 * S - 2}/{ticks} = {bubble:.1%}")
-    why = (f"pipeline={options.pipeline!r}: SPMD pipeline: the loss runs its {L} layers as "
-           f"one scan over stacked parameters, so {S} equal stages of {L // S} layers run in "
-           f"one program (shard_map over {layer_scan.STAGE_AXIS!r}, ppermute between stages; "
-           f"embedding, head and update outside it on every device)")
-    estimate = cost.explain(sched, ticks) + (f"; {cost.flops / 1e9:.4g} GFLOP per device"
-                                             if cost.found else "")
-    notes = (why, how, estimate)
-    plan = dataclasses.replace(
-        intra, mesh=pmesh, input_specs=tuple(ins), output_specs=outs,
-        constraints=dict(enumerate(carries or ())), operand_specs={}, estimate=est,
-        stages=stages, notes=notes, num_micro_batches=M, schedule=sched, pipeline_kind="spmd",
-        ops=(),
-        memory_budget=options.memory_budget)
-    return Choice(True, plan, None, intra, "\n".join(notes), spmd=cost, spmd_plan=plan)
+    plan, cost = spmd_search.spmd_plan(intra, full, stage, lt, mesh, hardware, options, traced)
+    return Choice(True, plan, None, intra, "\n".join(plan.notes), spmd=cost, spmd_plan=plan)
 
 
 def _micro_step(fn, traced: TracedStep, lt: layer_scan.LossTrace, sub: MeshShape,
                 hw: HardwareProfile, options: SearchOptions,
                 state_specs: Sequence[ShardSpec]) -> spmd_cost.Priced | None:
-    """The step on one micro-batch (its batch inputs' rows cut by M) planned on one stage's
-    devices with the state laid out as the full step's plan lays it out: the stage program's
-    cost and its carry's layout. None if it does not trace or plan (the estimate then scales
-    the full step's layers)."""
-    B, M = lt.scan.batch, lt.num_micro_batches
-    roles = traced.arg_info.roles
-    cut = [jax.ShapeDtypeStruct((B // M, *a.shape[1:]), a.dtype)
-           if r == Role.BATCH and tuple(a.shape[:1]) == (B,) else a
-           for a, r in zip(traced.in_avals, roles)]
+    """The step on one micro-batch planned on one stage's devices with the state laid out as
+    the full step's plan lays it out: the stage program's cost and its carry's layout. None if
+    it does not trace or plan (the estimate then scales the full step's layers)."""
     o = options.replace(pipeline=False, measure=False, memory_budget=None)
+    roles = traced.arg_info.roles
     try:
-        args = jax.tree_util.tree_unflatten(traced.in_tree, cut)
-        micro = trace(fn, tuple(args), options.state_argnums, options.batch_argnums)
+        micro = trace(fn, tuple(spmd_search.micro_args(traced, lt)), options.state_argnums,
+                      options.batch_argnums)
         graph = lift(micro.closed_jaxpr, micro.arg_info, LiftOptions(while_trips=o.while_trips))
         fixed = {i: s for i, (s, r) in enumerate(zip(state_specs, roles)) if r == Role.STATE}
         plan, intra = plan_graph(graph, micro, sub, hw, o, fixed_inputs=fixed)
     except Exception:  # noqa: BLE001 - the estimate falls back to the full step's layers / M
         return None
     return spmd_cost.Priced(graph, intra, plan.ops)
-
-
-def _pipeline_order(mesh, shape: MeshShape, sizes) -> list[int]:
-    """The device ids of the pipeline mesh in its row-major order."""
-    ids = (np.asarray([d.id for d in mesh.devices.flat]) if hasattr(mesh, "devices")
-           else np.arange(shape.num_devices))
-    return [int(i) for i in ids.reshape(sizes).flat]
-
-
-def _stage_devices(mesh, shape: MeshShape, names, sizes) -> list[tuple[int, ...]]:
-    """The device ids of each stage (mesh order) of the pipeline mesh `names` x `sizes`."""
-    ids = (np.asarray([d.id for d in mesh.devices.flat]) if hasattr(mesh, "devices")
-           else np.arange(shape.num_devices)).reshape(sizes)
-    ids = np.moveaxis(ids, list(names).index(layer_scan.STAGE_AXIS), 0)
-    return [tuple(int(i) for i in row.flat) for row in ids]

@@ -226,3 +226,19 @@ def test_an_spmd_plan_is_cached_and_the_second_run_does_not_plan(tmp_path, monke
     assert loaded.pipeline_kind == "spmd" and len(loaded.stages) == len(plan.stages)
     assert loaded.num_micro_batches == M and loaded.schedule == plan.schedule
     check_three_steps(step, args, again)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_bf16_spmd_pipeline_compiles_and_runs_on_cpu(schedule):
+    """A bf16 step: on XLA:CPU a 16-bit psum over the stage axis of the partly manual
+    shard_map aborted the process while compiling ("Invalid binary instruction opcode copy");
+    the pipeline sums those in float32 (layer_scan.stage_psum). One step close to one
+    device's bf16 step."""
+    step, args = scanned_mlp()
+    args = jax.tree.map(lambda x: x.astype(jnp.bfloat16), args)
+    auto = shardplan.auto(step, mesh=stage_mesh(), hardware="cpu", pipeline="spmd",
+                          num_micro_batches=M, schedule=schedule, cache=False)
+    assert auto.plan(*args).pipeline_kind == "spmd"
+    got, want = auto(*args), jax.jit(step)(*args)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=5e-2, atol=5e-2), got, want)

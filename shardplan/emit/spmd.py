@@ -12,7 +12,9 @@ pipeline on all devices, under the intra-op plan's shardings.
 `pipelined_scan`: the stacked parameters [L, ...] are reshaped [S, L/S, ...] and split over
 the mesh's `stage` axis, the carry (the activation) cut into M micro-batches, and a loop of
 M + S - 1 ticks runs inside `jax.shard_map`, manual over the stage axis only (the other mesh
-axes stay auto, so sharding propagation and constraints act inside): at tick t stage s runs
+axes stay auto, so sharding propagation and constraints act inside; the layers hold the
+carry and read their operands in the stage's intra-op plan's layouts, the plan's
+`constraints` and `operand_specs`): at tick t stage s runs
 its L/S layers (the scan's own body) on micro-batch t - s and hands the result to stage s + 1
 with `lax.ppermute`. The last stage collects the outputs; a psum over the stage axis gives
 them to every stage. The backward pass is JAX's autodiff through the loop: each ppermute
@@ -22,7 +24,7 @@ transposes to the reverse permute, so the backward runs the same schedule mirror
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,23 +53,35 @@ def pipeline_mesh(mesh: Mesh, num_stages: int) -> Mesh:
 
 
 def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
-                   num_micro_batches: int, carry_specs: Sequence | None = None) -> list:
+                   num_micro_batches: int, carry_specs: Sequence | None = None,
+                   operand_specs: Mapping | None = None) -> list:
     """The outputs of scan `eqn` on `ins`, computed by a GPipe pipeline over the mesh's stage
     axis. `micro_eqn` is the same scan traced on one micro-batch (its body runs per tick);
-    `carry_specs`: the PartitionSpecs its layers hold the carry in (layer_scan.stage_layers)."""
+    `carry_specs`, `operand_specs`: the PartitionSpecs its layers hold the carry in and read
+    their operands in (layer_scan.stage_layers)."""
     p = eqn.params
     S, M, L = num_stages, num_micro_batches, int(p["length"])
     nc, nk = p["num_consts"], p["num_carry"]
     consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + nk]), list(ins[nc + nk:])
     B = carry[0].shape[0]
-    layers = layer_scan.stage_layers(micro_eqn, L // S, carry_specs)
+    layers = layer_scan.stage_layers(micro_eqn, L // S, carry_specs, operand_specs)
 
     carry_m = [c.reshape(M, B // M, *c.shape[1:]) for c in carry]
     xs_s = [x.reshape(S, L // S, *x.shape[1:]) for x in xs]
     ticks = M + S - 1
     forward = [(i, i + 1) for i in range(S - 1)]
 
+    # the cotangent of an input every stage reads whole is a psum over the stages: in float32
+    # where a 16-bit one would abort XLA:CPU (layer_scan.stage_psum)
+    dtypes = [x.dtype for x in (*consts, *carry_m)]
+    wide = layer_scan.stage_psum_dtypes(dtypes, mesh)
+
+    def hold(values, lead=0):  # the activation in the plan's layout everywhere it goes
+        return layer_scan.held(values, carry_specs, lead)
+
     def stage(consts, carry_m, xs_s):
+        consts = [x.astype(d) for x, d in zip(consts, dtypes)]
+        carry_m = hold([x.astype(d) for x, d in zip(carry_m, dtypes[len(consts):])], 1)
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
         first, last = s == 0, s == S - 1
@@ -76,27 +90,28 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
             state, outs = loop
             fresh = [jax.lax.dynamic_index_in_dim(c, jnp.minimum(t, M - 1), keepdims=False)
                      for c in carry_m]
-            inp = [jnp.where(first, f, x) for f, x in zip(fresh, state)]
+            inp = hold([jnp.where(first, f, x) for f, x in zip(fresh, state)])
             y = layers(consts, inp, local)
             m = t - (S - 1)
             write = last & (m >= 0)
             at = jnp.clip(m, 0, M - 1)
-            outs = [jnp.where(write, jax.lax.dynamic_update_index_in_dim(o, v, at, 0), o)
-                    for o, v in zip(outs, y)]
-            state = [jax.lax.ppermute(v, STAGE_AXIS, forward) for v in y]
+            outs = hold([jnp.where(write, jax.lax.dynamic_update_index_in_dim(o, v, at, 0), o)
+                         for o, v in zip(outs, y)], 1)
+            state = hold([jax.lax.ppermute(v, STAGE_AXIS, forward) for v in y])
             return state, outs
 
-        state = [jnp.zeros_like(c[0]) for c in carry_m]
-        outs = [jnp.zeros_like(c) for c in carry_m]
+        state = hold([jnp.zeros_like(c[0]) for c in carry_m])
+        outs = hold([jnp.zeros_like(c) for c in carry_m], 1)
         _, outs = jax.lax.fori_loop(0, ticks, tick, (state, outs))
-        return [jax.lax.psum(o, STAGE_AXIS) for o in outs]  # nonzero on the last stage only
+        return layer_scan.stage_psum(outs, mesh)  # nonzero on the last stage only
 
     # check_vma=False: with it on, jax 0.10.2 fails an internal assertion (ManualAxisType) in
     # the JVP of the re-bound layer body; unchecked, an unsplit input's cotangent is summed
     # over the stages and the outputs' psum transposes as it should (the tests compare).
     run = jax.shard_map(stage, mesh=mesh, in_specs=(P(), P(), P(STAGE_AXIS)), out_specs=P(),
                         axis_names=frozenset({STAGE_AXIS}), check_vma=False)
-    outs = run(consts, carry_m, xs_s)
+    outs = run([x.astype(d) for x, d in zip(consts, wide)],
+               [x.astype(d) for x, d in zip(carry_m, wide[len(consts):])], xs_s)
     return [o.reshape(B, *o.shape[2:]) for o in outs]
 
 
@@ -111,6 +126,9 @@ class PipelinedGrad:
     schedule: str = "gpipe"
     carry_specs: tuple | None = None
     """PartitionSpecs the stage body holds the scan's carries in (None: XLA propagates)."""
+    operand_specs: tuple = ()
+    """((body equation, operand), PartitionSpec) pairs: the layouts the layer reads its
+    operands in, the stage's intra-op plan (empty: XLA propagates)."""
 
     def value_and_grad(self, fun, argnums, has_aux, args, kwargs):
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
@@ -123,7 +141,7 @@ class PipelinedGrad:
         if self.schedule == "1f1b":
             loss, grads = spmd_1f1b.pipelined_loss_and_grad(
                 lt, flat, diff, self.mesh, self.num_stages, self.num_micro_batches,
-                self.carry_specs)
+                self.carry_specs, dict(self.operand_specs))
             out = jax.tree_util.tree_unflatten(lt.out_tree, [loss])
             grads = jax.tree_util.tree_unflatten(diff_tree, grads)
             return ((out[0], out[1]) if has_aux else out,
@@ -132,7 +150,8 @@ class PipelinedGrad:
 
         def rewrite(eqn, ins):
             return pipelined_scan(eqn, ins, micro_eqn, self.mesh, self.num_stages,
-                                  self.num_micro_batches, self.carry_specs)
+                                  self.num_micro_batches, self.carry_specs,
+                                  dict(self.operand_specs))
 
         def loss(diff_args):
             leaves = list(flat)
@@ -152,12 +171,14 @@ class PipelinedGrad:
 
 def emit_spmd(fn, mesh: Mesh, num_stages: int, num_micro_batches: int, in_shardings,
               out_shardings=None, donate_argnums=(), schedule: str = "gpipe",
-              carry_specs: Sequence | None = None):
+              carry_specs: Sequence | None = None, operand_specs: Mapping | None = None):
     """The step `fn` as one jax.jit whose shardplan.value_and_grad call runs an SPMD pipeline
     on `mesh` (which has the stage axis), GPipe or 1F1B (shardplan.emit.spmd_1f1b);
-    `carry_specs` (PartitionSpecs, the plan's): the layout of the activation in the stages."""
+    `carry_specs` (PartitionSpecs, the plan's): the layout of the activation in the stages;
+    `operand_specs` ((body equation, operand) -> PartitionSpec): the layouts inside a layer."""
     interceptor = PipelinedGrad(mesh, num_stages, num_micro_batches, schedule,
-                                None if carry_specs is None else tuple(carry_specs))
+                                None if carry_specs is None else tuple(carry_specs),
+                                tuple(sorted((operand_specs or {}).items())))
 
     def step(*args):
         with intercepting(interceptor):
@@ -165,3 +186,18 @@ def emit_spmd(fn, mesh: Mesh, num_stages: int, num_micro_batches: int, in_shardi
 
     return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
                    donate_argnums=donate_argnums)
+
+
+def emit_plan(fn, plan, mesh: Mesh, donate_argnums=()):
+    """The SPMD pipeline `plan` (shardplan.spmd_search: its `constraints` the carries' specs by
+    position, its `operand_specs` the layouts inside a layer by (body equation, operand)) of
+    the step `fn` as one jax.jit on the pipeline mesh `mesh`: (jitted, the plan placed on
+    `mesh`)."""
+    placed = dataclasses.replace(plan, device_mesh=mesh)
+    carries = [plan.constraints[k].to_partition_spec() for k in sorted(plan.constraints)]
+    operands = {k: route[-1].to_partition_spec() for k, route in plan.operand_specs.items()
+                if route}
+    jitted = emit_spmd(fn, mesh, len(plan.stages), plan.num_micro_batches,
+                       placed.in_shardings, placed.out_shardings, tuple(donate_argnums),
+                       plan.schedule, carries or None, operands)
+    return jitted, placed

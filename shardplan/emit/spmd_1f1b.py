@@ -17,7 +17,7 @@ collected; those of the layers and of `post` are accumulated in the loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardplan import _compat
-from shardplan.inter.layer_scan import STAGE_AXIS, LossTrace, stage_layers
+from shardplan.inter.layer_scan import (
+    STAGE_AXIS,
+    LossTrace,
+    held,
+    stage_layers,
+    stage_psum,
+)
 from shardplan.ir import interpret
 
 
@@ -114,10 +120,12 @@ class Cut:
 
 def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], mesh: Mesh,
                             num_stages: int, num_micro_batches: int,
-                            carry_specs: Sequence | None = None):
+                            carry_specs: Sequence | None = None,
+                            operand_specs: Mapping | None = None):
     """(loss, gradient leaves of the flat positions `diff`) of the traced loss, by a 1F1B
     SPMD pipeline over the mesh's stage axis; `carry_specs`: the PartitionSpecs the layers
-    hold the carry in (layer_scan.stage_layers)."""
+    hold the carry in, `operand_specs` the layouts a layer reads its operands in
+    (layer_scan.stage_layers)."""
     S, M = num_stages, num_micro_batches
     B = lt.scan.batch
     L = lt.scan.length
@@ -127,7 +135,7 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
     if len(cut.outvars) != 1:
         raise ValueError("SPMD pipeline, 1F1B: the loss function returns auxiliary values "
                          "(has_aux with leaves); use schedule='gpipe'")
-    layers = stage_layers(cut.scan, L // S, carry_specs)
+    layers = stage_layers(cut.scan, L // S, carry_specs, operand_specs)
     diff = list(diff)
     dpos = {i: k for k, i in enumerate(diff)}
 
@@ -163,7 +171,11 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
     fwd_pairs = [(i, i + 1) for i in range(S - 1)]
     bwd_pairs = [(i + 1, i) for i in range(S - 1)]
 
+    def hold(values, lead=0):  # the activation and its cotangent in the plan's layout
+        return held(values, carry_specs, lead)
+
     def stage(consts, carry_m, xs_s, post_args, post_rows, pre_m):
+        carry_m = hold(carry_m, 1)
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
         first, last = s == 0, s == S - 1
@@ -180,7 +192,7 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
             # forward of micro-batch t - s
             mf = t - s
             ok_f = (mf >= 0) & (mf < M)
-            inp = [jnp.where(first, pick(c, mf), a) for c, a in zip(carry_m, act)]
+            inp = hold([jnp.where(first, pick(c, mf), a) for c, a in zip(carry_m, act)])
             y = layers(consts, inp, local)
             slot = jnp.clip(mf, 0, M - 1) % K
             ring = [jnp.where(ok_f, jax.lax.dynamic_update_index_in_dim(r, x, slot, 0), r)
@@ -208,12 +220,13 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
             g_consts = [g if d is None else g + jnp.where(ok_b, d, 0)
                         for g, d in zip(g_consts, d_consts)]
             g_carry = [put(g, mb, d, first & ok_b) for g, d in zip(g_carry, d_in)]
-            act = [jax.lax.ppermute(v, STAGE_AXIS, fwd_pairs) for v in y]
-            cot = [jax.lax.ppermute(jnp.where(ok_b, d, 0), STAGE_AXIS, bwd_pairs) for d in d_in]
+            act = hold([jax.lax.ppermute(v, STAGE_AXIS, fwd_pairs) for v in y])
+            cot = hold([jax.lax.ppermute(jnp.where(ok_b, d, 0), STAGE_AXIS, bwd_pairs)
+                        for d in d_in])
             return act, cot, ring, g_local, g_consts, g_args, g_pre, g_carry, loss
 
-        zeros = [jnp.zeros_like(c[0]) for c in carry_m]
-        init = (zeros, zeros, [jnp.zeros((K, *c.shape[1:]), c.dtype) for c in carry_m],
+        zeros = hold([jnp.zeros_like(c[0]) for c in carry_m])
+        init = (zeros, zeros, hold([jnp.zeros((K, *c.shape[1:]), c.dtype) for c in carry_m], 1),
                 [jnp.zeros_like(x) for x in local],
                 [jnp.zeros_like(c) if _is_float(c) else None for c in consts],
                 [jnp.zeros_like(a) if _is_float(a) else None for a in post_args],
@@ -221,7 +234,7 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
                 [jnp.zeros_like(c) for c in carry_m], jnp.zeros((), jnp.float32))
         out = jax.lax.fori_loop(0, ticks, tick, init)
         _, _, _, g_local, g_consts, g_args, g_pre, g_carry, loss = out
-        total = [jax.lax.psum(v, STAGE_AXIS) for v in (g_consts, g_args, g_pre, g_carry, loss)]
+        total = [stage_psum(v, mesh) for v in (g_consts, g_args, g_pre, g_carry, loss)]
         return ([g[None] for g in g_local], *total)
 
     run = jax.shard_map(stage, mesh=mesh,

@@ -17,10 +17,11 @@ dimension is the carry's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from shardplan._compat import ClosedJaxpr
@@ -46,6 +47,35 @@ def pipeline_mesh_shape(names: Sequence[str], sizes: Sequence[int],
     if n % num_stages:
         raise ValueError(f"{num_stages} pipeline stages do not divide the mesh's {n} devices")
     return (STAGE_AXIS, "data"), (num_stages, n // num_stages)
+
+
+def stage_psum(tree, mesh):
+    """jax.lax.psum over the stage axis inside the pipeline's shard_map. On XLA:CPU a psum of a
+    16-bit float over the manual axis of a shard_map that leaves other mesh axes automatic
+    aborts the process while compiling ("Invalid binary instruction opcode copy", jax 0.10.2;
+    f32, or every axis manual, compile): there it is summed in float32 and cast back."""
+    widen = _widens(mesh)
+
+    def one(x):
+        if widen and x.dtype in _NARROW:
+            return jax.lax.psum(x.astype(jnp.float32), STAGE_AXIS).astype(x.dtype)
+        return jax.lax.psum(x, STAGE_AXIS)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+_NARROW = (jnp.bfloat16, jnp.float16)
+
+
+def _widens(mesh) -> bool:
+    return mesh.devices.flat[0].platform == "cpu"
+
+
+def stage_psum_dtypes(dtypes: Sequence, mesh) -> list:
+    """The dtypes to pass values every stage reads whole into the pipeline's shard_map in: their
+    cotangents are psums over the stages (stage_psum's reason), float32 for 16-bit floats on
+    XLA:CPU."""
+    return [jnp.float32 if _widens(mesh) and d in _NARROW else d for d in dtypes]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,26 +262,46 @@ def probe_step(fn: Callable, args: Sequence,
     return probe.found
 
 
-def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None):
+def held(values: Sequence, specs: Sequence | None, lead: int = 0) -> list:
+    """`values` (activations: the scan's carries, or stacks of them with `lead` leading
+    dimensions) constrained to the carries' PartitionSpecs (None: left to XLA). Inside the
+    pipeline every value the activation passes through is held so: XLA gives a loop's carry
+    the layout of its initial value, and one unconstrained value lets the layout of the
+    outside (the embedding's output) into the loops, to be resharded at every layer."""
+    if specs is None:
+        return list(values)
+    return [jax.lax.with_sharding_constraint(v, jax.sharding.PartitionSpec(*[None] * lead, *p))
+            for v, p in zip(values, specs)]
+
+
+def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None,
+                 operand_specs: Mapping[tuple[int, int], Any] | None = None):
     """layers(consts, carry, xs) -> carry: the scan's own body over `num_layers` layers (one
     stage's), traced again rather than re-bound: inside shard_map the body's types must say
     which values vary over the stage axis. `carry_specs` (PartitionSpecs over the mesh's
     other axes, or None): the layout every layer takes and gives its carry in, the intra-op
     plan's (left alone, XLA's propagation may split a micro-batch's hidden dimension instead
-    of its rows and gather it at every layer)."""
+    of its rows and gather it at every layer). `operand_specs` ((equation index in the body,
+    operand index) -> PartitionSpec): the layouts the plan's layer reads its operands in (the
+    stage's intra-op plan applied inside the layer; spmd_cost.body_operand_specs)."""
+    given = dict(operand_specs or {})
+
+    def operand(i, j, x):
+        spec = given.get((i, j))
+        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
     body, nk = micro_eqn.params["jaxpr"], micro_eqn.params["num_carry"]
 
     def hold(c):
-        if carry_specs is None:
-            return list(c)
-        return [jax.lax.with_sharding_constraint(v, p) for v, p in zip(c, carry_specs)]
+        return held(c, carry_specs)
 
     def layers(consts, carry, xs):
         def one(c, x):
-            outs = interpret.eval_jaxpr(body, [*consts, *hold(c), *x])
+            ins = [*consts, *hold(c), *x]
+            outs = (interpret.eval_leaves(body, ins, operand) if given
+                    else interpret.eval_jaxpr(body, ins))
             return hold(outs[:nk]), None
 
-        return list(jax.lax.scan(one, list(carry), list(xs), length=num_layers,
+        return list(jax.lax.scan(one, hold(carry), list(xs), length=num_layers,
                                  unroll=micro_eqn.params["unroll"])[0])
 
     return layers

@@ -23,7 +23,9 @@ plus the collectives over the stage axis: every tick a permute of one micro-batc
 (forward, and its cotangent backward), and all-reduces of the full activation (GPipe: the
 outputs' psum, its transpose and the carry's cotangent; 1F1B: one psum of the carry's
 cotangent and the head's gradients). The activation is laid out as the plan lays out the
-scan's carry (the stage body is constrained to it: shardplan.emit.spmd).
+scan's carry (the stage body is constrained to it, and each layer's operands to the layouts
+the stage program's plan reads them in: body_operand_specs, shardplan.emit.spmd). The op rows
+price a loop's carry edges and its entry once per entry, as the ILP does.
 
 Memory: the stacked state is divided by the stages; the layers' saved activations scale by
 the ticks a stage keeps them for (GPipe T/(S M), 1F1B at most 2S-1 micro-batches).
@@ -45,6 +47,7 @@ from shardplan.cost.estimate import Estimate
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.inter.layer_scan import STAGE_AXIS, LossTrace
 from shardplan.intra.planner import IntraPlan
+from shardplan.ir import interpret
 from shardplan.ir.graph import Graph
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import fmt_bytes, fmt_seconds
@@ -77,6 +80,8 @@ class SpmdCost:
     """Flops per device of the pipelined step (the schedule's ticks, recomputation included):
     what the compiled program's flops (loops at their trip counts) are checked against."""
     stages: int = 1
+    grad_reduce_s: float = 0.0
+    """The layers' partial gradients reduced into the accumulator at every tick."""
 
     def explain(self, schedule: str, ticks: int) -> str:
         if not self.found:
@@ -90,6 +95,8 @@ class SpmdCost:
                 f"{fmt_seconds(self.layers_s)}"
                 + (f" (the head and loss every tick: {fmt_seconds(self.post_s)} at full batch)"
                    if schedule == "1f1b" else "")
+                + (f" + the layers' gradients reduced every tick "
+                   f"{fmt_seconds(self.grad_reduce_s)}" if self.grad_reduce_s else "")
                 + f" + permutes {fmt_seconds(self.permute_s)} + all-reduces over the stages "
                 f"{fmt_seconds(self.allreduce_s)} (activation {fmt_bytes(self.carry_bytes)} "
                 f"per device); memory: stacked state / {self.stages}, activations kept for the "
@@ -155,6 +162,10 @@ class _Parts:
     carry_bytes: float
     resid_bytes: float
     carries: tuple[ShardSpec, ...]
+    partial_grads: tuple[tuple[float, tuple[str, ...]], ...] = ()
+    """(bytes per device, mesh axes) of each per-layer value the backward scan stacks as a
+    partial sum (a weight's gradient over split rows): the plan reduces it once after the
+    loop, the pipeline's accumulator at every tick."""
 
 
 def node_flops(p: Priced, nodes) -> float:
@@ -195,9 +206,20 @@ def _parts(p: Priced, lt: LossTrace, batch: int) -> _Parts:
     post = [n for n in sorted(post) if any(
         graph.values[v].shape[:1] == (batch,)
         for v in (*graph.nodes[n].inputs, *graph.nodes[n].outputs))]
+    partial = []
+    for lp in sorted(bwd):
+        loop = graph.loops[lp]
+        if loop.parent in bwd:
+            continue
+        for n in loop.leave:
+            node = graph.nodes[n]
+            spec = intra.value_specs.get(node.inputs[0]) if node.inputs else None
+            if node.primitive == "loop_stack" and spec is not None and spec.partial:
+                partial.append((graph.values[node.inputs[0]].nbytes
+                                / spec.num_shards(intra.mesh), tuple(spec.partial)))
     return _Parts(fwd, bwd, cost(n.id for n in graph.nodes if n.loop in fwd),
                   cost(n.id for n in graph.nodes if n.loop in bwd), cost(post), carry_bytes,
-                  resid, tuple(carries))
+                  resid, tuple(carries), tuple(partial))
 
 
 def carry_specs(stage: Priced, lt: LossTrace) -> tuple[ShardSpec, ...] | None:
@@ -205,6 +227,50 @@ def carry_specs(stage: Priced, lt: LossTrace) -> tuple[ShardSpec, ...] | None:
     layers), for the stage body to be held in (None: no scan over layers found)."""
     parts = _parts(stage, lt, lt.micro_scan.batch)
     return parts.carries or None
+
+
+def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], ShardSpec]:
+    """The layouts the stage's intra-op plan reads each operand of the layer in: {(equation
+    index in the loss's scan body, operand index): spec}, for the stage body to be held in
+    (shardplan.inter.layer_scan.stage_layers). The planned graph's forward scan body is the
+    layer's equations with the residuals autodiff adds; the layer's equations are matched to
+    its nodes in order by primitive and output shapes (an equation not found, or a call such as
+    remat whose body the graph inlined, is left to XLA). Partial specs are left out."""
+    fwd, _ = layer_loops(stage.graph, lt)
+    graph, intra = stage.graph, stage.intra
+    outer = [lp for lp in sorted(fwd) if graph.loops[lp].parent not in fwd]
+    if not outer:
+        return {}
+    loop = graph.loops[outer[0]]
+    pseudo = set(loop.enter) | set(loop.leave)
+    nodes = [graph.nodes[n] for n in loop.bodies[-1].nodes
+             if graph.nodes[n].loop == loop.id and n not in pseudo]
+    body = lt.micro.jaxpr.eqns[lt.micro_scan.index].params["jaxpr"].jaxpr
+    out, at = {}, 0
+    for i, eqn in enumerate(interpret.leaf_eqns(body)):
+        shapes = [tuple(v.aval.shape) for v in eqn.outvars]
+        # the node's inputs: every operand, or (lift drops literals) the non-literal ones
+        operands = [j for j, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
+        for k in range(at, len(nodes)):
+            node = nodes[k]
+            if (node.primitive != eqn.primitive.name
+                    or [graph.values[v].shape for v in node.outputs] != shapes):
+                continue
+            if len(node.inputs) == len(eqn.invars):
+                positions = list(range(len(eqn.invars)))
+            elif len(node.inputs) == len(operands):
+                positions = operands
+            else:
+                continue
+            strategy = intra.node_strategies.get(node.id)
+            for j, spec in zip(positions, strategy.in_specs if strategy else ()):
+                v = eqn.invars[j]
+                if (not isinstance(v, Literal) and spec is not None and not spec.partial
+                        and spec.dims and len(spec.dims) == len(v.aval.shape)):
+                    out[(i, j)] = spec
+            at = k + 1
+            break
+    return out
 
 
 def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape,
@@ -249,6 +315,16 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
         reduced = [carry_bytes + _post_param_bytes(lt) + 4.0]
     allreduce = math.fsum(ring.collective_time("all-reduce", x, STAGE_AXIS, mesh, links)
                           for x in reduced)
+    # the layers' gradients summed into the stage's accumulator every tick: a partial one is
+    # reduced there (the plan reduced it once, after its backward scan)
+    per_layer = math.fsum(ring.collective_time("all-reduce", b, axes, mesh, links)
+                          for b, axes in small.partial_grads)
+    grad_reduce = ticks * per_layer * lt.scan.length / S
+    # the full-batch plan (`rest`) reduces its partial ones once, after its backward scan;
+    # the pipeline does not (its accumulator is reduced at every tick, above or in B)
+    once = math.fsum(ring.collective_time("all-reduce", b * lt.scan.length, axes, mesh, links)
+                     for b, axes in big.partial_grads)
+    rest_k = max(rest_k - once, 0.0)
     sub = full.intra.mesh
     stacked = set(lt.scan.xs_shapes)
     stacked_state = math.fsum(
@@ -260,13 +336,14 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
     else:  # the inputs of at most 2S - 1 micro-batches, one tick's residuals
         kept = min(M, 2 * S - 1) * small.carry_bytes + small.resid_bytes / S
     peak = e.peak_bytes - stacked_state * (1 - 1 / S) - big.resid_bytes + kept
-    est = Estimate(compute_s=rest_c + lay[0], comm_s=rest_k + lay[1] + permute + allreduce,
+    est = Estimate(compute_s=rest_c + lay[0],
+                   comm_s=rest_k + lay[1] + permute + allreduce + grad_reduce,
                    peak_bytes=max(peak, 0.0),
                    state_bytes=e.state_bytes - stacked_state * (1 - 1 / S),
                    comm_bytes=e.comm_bytes)
     return SpmdCost(est, rest_c + rest_k, (f[0] + f[1]) / S, (b[0] + b[1]) / S,
                     big.post[0] + big.post[1], permute, allreduce, lay[0] + lay[1], carry_bytes,
-                    found, rest[2] + lay[2], S)
+                    found, rest[2] + lay[2], S, grad_reduce)
 
 
 def _post_param_bytes(lt: LossTrace) -> float:

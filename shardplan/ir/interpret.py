@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import jax
 
 from shardplan import _compat
+from shardplan.ir import lift
 from shardplan.ir.graph import Graph, Loop, Node
 
 
@@ -159,3 +160,58 @@ def run_eqns(eqns: Sequence, env: dict, override: dict[int, Callable] | None = N
             if not _compat.is_drop_var(v):
                 env[v] = x
     return env
+
+
+# calls whose derivative rule is their own: run whole (bound again), not entered
+_KEPT_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+                         "custom_lin"})
+_REMAT = frozenset({"remat", "remat2", "checkpoint"})
+
+
+def _entered(eqn):
+    return None if eqn.primitive.name in _KEPT_CALLS else lift.inlined_body(eqn)
+
+
+def leaf_eqns(jaxpr) -> list:
+    """The equations of an (open) jaxpr in program order, entering the calls lift inlines
+    (jit, remat, ...; custom_jvp/vjp calls stay one equation): what eval_leaves numbers."""
+    out = []
+    for eqn in jaxpr.eqns:
+        inner = _entered(eqn)
+        out.extend([eqn] if inner is None else leaf_eqns(inner[0]))
+    return out
+
+
+def eval_leaves(closed, args: Sequence, operand: Callable) -> list:
+    """The outputs of a (Closed)Jaxpr on `args`, the calls lift inlines entered (a remat
+    entered under jax.checkpoint with its policy: it still recomputes), and leaf equation i
+    (leaf_eqns' numbering) reading `operand(i, j, x)` as its operand j: layouts applied to
+    the values inside a layer."""
+    def run(jaxpr, consts, vals, start):
+        env = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, vals))
+        at = start
+        for eqn in jaxpr.eqns:
+            ins = [read_var(env, v) for v in eqn.invars]
+            inner = _entered(eqn)
+            if inner is None:
+                outs = _compat.bind_eqn(eqn, [operand(at, j, x) for j, x in enumerate(ins)])
+                at += 1
+            else:
+                sub, sub_consts = inner
+
+                def call(*a, sub=sub, sub_consts=sub_consts, at=at):
+                    return run(sub, sub_consts, a, at)
+
+                if eqn.primitive.name in _REMAT:
+                    call = jax.checkpoint(call, prevent_cse=eqn.params.get("prevent_cse", True),
+                                          policy=eqn.params.get("policy"))
+                outs = call(*ins)
+                at += len(leaf_eqns(sub))
+            for v, x in zip(eqn.outvars, outs):
+                if not _compat.is_drop_var(v):
+                    env[v] = x
+        return [read_var(env, v) for v in jaxpr.outvars]
+
+    jaxpr, consts = _compat.open_jaxpr(closed)
+    return run(jaxpr, consts, list(args), 0)

@@ -101,6 +101,15 @@ def _name_of(eqn, prefix: str) -> str:
     return "/".join(p for p in (prefix, stack) if p)
 
 
+def inlined_body(eqn) -> tuple | None:
+    """(jaxpr, consts) of the call-like sub-jaxpr lift inlines for `eqn`, or None."""
+    subs = _sub_jaxprs(eqn.params)
+    if not subs or not _inlinable(eqn, subs):
+        return None
+    body = [x for x in subs if x[0] in ("jaxpr", "call_jaxpr", "fun_jaxpr")] or subs
+    return _compat.open_jaxpr(body[0][1])
+
+
 def _lift_into(b: _Builder, jaxpr, consts, in_ids: Sequence[int], prefix: str,
                trips: float = 1.0, loop: int | None = None) -> list[int]:
     env: dict = {}
@@ -119,10 +128,9 @@ def _lift_into(b: _Builder, jaxpr, consts, in_ids: Sequence[int], prefix: str,
 
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
-        subs = _sub_jaxprs(eqn.params)
-        if subs and _inlinable(eqn, subs):
-            body = [x for x in subs if x[0] in ("jaxpr", "call_jaxpr", "fun_jaxpr")] or subs
-            sub, sub_consts = _compat.open_jaxpr(body[0][1])
+        inlined = inlined_body(eqn)
+        if inlined is not None:
+            sub, sub_consts = inlined
             name = eqn.params.get("name", eqn.primitive.name)
             outs = _lift_into(b, sub, sub_consts, ins,
                               "/".join(p for p in (_name_of(eqn, prefix), str(name)) if p),
@@ -141,7 +149,7 @@ def _lift_into(b: _Builder, jaxpr, consts, in_ids: Sequence[int], prefix: str,
         for var, vid in zip(eqn.outvars, outs):
             if not _compat.is_drop_var(var):
                 env[var] = vid
-        subgraphs = tuple(_lift_standalone(j) for _, j in subs)
+        subgraphs = tuple(_lift_standalone(j) for _, j in _sub_jaxprs(eqn.params))
         in_shapes = [b.values[i].shape for i in ins]
         out_shapes = [b.values[i].shape for i in outs]
         plain = {k: v for k, v in eqn.params.items() if not _compat.is_jaxpr(v)
