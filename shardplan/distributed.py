@@ -24,7 +24,7 @@ from shardplan import fingerprint as fp_mod
 from shardplan.ir.graph import Role
 from shardplan.ir.trace import trace
 from shardplan.plan import Plan
-from shardplan.search import choose, plan_spmd, probe_spmd
+from shardplan.search import Choice, choose, plan_spmd, probe_spmd
 
 
 class PlanMismatchError(RuntimeError):
@@ -89,6 +89,68 @@ def plan_pipeline_once(fn, args, mesh, hardware, options, traced):
     plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options), obtain_mpmd,
                      broadcast=False)
     pp = found["choice"].pipeline
+    _agree_layouts(pp)
+    return plan, pp
+
+
+def plan_auto_once(traced, mesh, hardware, options, decide: Callable[[], Choice],
+                   cache=None) -> tuple[Plan, object]:
+    """pipeline="auto" in a multi-controller job: (Plan, the PipelinePlan of an MPMD
+    pipeline or None).
+
+    Process 0 decides (`decide()`: the cost model's, or the measured, choice between one
+    program, an SPMD pipeline and an MPMD pipeline; an SPMD plan from `cache` if it holds
+    one) and broadcasts the plan; every process compares its fingerprint, which covers the
+    pipeline kind, the stages and the schedule, so all emit the same kind of program. One
+    program or an SPMD pipeline is then emitted from the broadcast plan. An MPMD pipeline's
+    runtime needs the planner's split step and per-stage layouts, which a plan does not hold:
+    then the other processes run `decide()` too (deterministic), and every process checks
+    that it chose process 0's plan and that the stages lay out their values alike, before
+    the first step."""
+    step_fp = fp_mod.step_fingerprint(traced, mesh, hardware, options)
+    mine: dict[str, Choice] = {}
+
+    def obtain() -> Plan:
+        hit = cache.load(step_fp) if cache is not None else None
+        if hit is not None and hit.pipeline_kind == "spmd":
+            return hit
+        mine["choice"] = choice = decide()
+        if cache is not None and choice.pipelined and choice.plan.pipeline_kind == "spmd":
+            cache.store(step_fp, dataclasses.replace(choice.plan, device_mesh=None))
+        return choice.plan
+
+    plan = plan_once(step_fp, obtain)
+    if plan.pipeline_kind != "mpmd":
+        return dataclasses.replace(plan, in_tree=traced.in_tree, out_tree=traced.out_tree), None
+    if "choice" in mine:
+        choice, error = mine["choice"], None
+    else:
+        choice, error = _attempt(decide)
+    if error is not None:
+        status = f"failed to plan the MPMD pipeline process 0 chose: {_error_text(error)}"
+    elif choice.pipeline is None or choice.plan.pipeline_kind != "mpmd":
+        status = (f"chose {choice.plan.pipeline_kind or 'one program'} where process 0 chose "
+                  "an MPMD pipeline")
+    else:
+        diff = fp_mod.first_difference(plan.to_dict(), choice.plan.to_dict())
+        status = "" if diff is None else f"planned another MPMD pipeline: {diff}"
+    got = _allgather_text(status)
+    if any(got):
+        if error is not None:
+            raise error
+        who = next(i for i, g in enumerate(got) if g)
+        raise PlanMismatchError(
+            f"pipeline='auto': process 0 chose an MPMD pipeline, which every process plans "
+            f"itself, and process {who} {got[who]}: the planner was not deterministic here (a "
+            "solver time limit reached under load?); raise time_limit=, or pass "
+            "pipeline=False or 'spmd'")
+    _agree_layouts(choice.pipeline)
+    return choice.plan, choice.pipeline
+
+
+def _agree_layouts(pp) -> None:
+    """Every process's MPMD pipeline lays out its stages' values alike, else
+    PlanMismatchError in every process."""
     layouts = fp_mod.digest(repr([sorted((v, str(sp)) for v, sp in stage.items())
                                   for stage in pp.specs]))
     got = _allgather_text(layouts)
@@ -99,7 +161,6 @@ def plan_pipeline_once(fn, args, mesh, hardware, options, traced):
             "inputs, outputs and stages: the planner was not deterministic here (a solver time "
             "limit reached under load?); raise time_limit=, or plan once and pass "
             "pipeline=False")
-    return plan, pp
 
 
 def plan_once(step_fingerprint: str, obtain: Callable[[], Plan], *,
@@ -183,8 +244,12 @@ def _plan_json(plan: Plan) -> str:
     return json.dumps(plan.to_dict(), sort_keys=True)
 
 
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 def _error_json(error: BaseException) -> str:
-    return json.dumps({"error": f"{type(error).__name__}: {error}"})
+    return json.dumps({"error": _error_text(error)})
 
 
 def _group(values: Sequence[str]) -> str:
