@@ -183,7 +183,8 @@ class AutoStep:
             else:
                 # The SPMD pipeline (process 0 plans it) where it applies, else the MPMD one
                 # (every process plans it); all check the plan before the first step.
-                plan, pp = distributed.plan_pipeline_once(self.fn, args, mesh, hw, o, traced)
+                plan, pp = distributed.plan_pipeline_once(
+                    self.fn, args, mesh, hw, o, traced, cache_mod.PlanCache.of(self.plan_cache))
             if pp is not None:
                 return self._emit_mpmd(plan, pp, fp)
             if plan.pipeline_kind == "spmd":

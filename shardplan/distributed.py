@@ -55,7 +55,7 @@ def default_mesh():
                              axis_types=(auto, auto))
 
 
-def plan_pipeline_once(fn, args, mesh, hardware, options, traced):
+def plan_pipeline_once(fn, args, mesh, hardware, options, traced, cache=None):
     """The pipeline of a multi-controller step: (Plan, the PipelinePlan of an MPMD pipeline or
     None for an SPMD one).
 
@@ -64,17 +64,20 @@ def plan_pipeline_once(fn, args, mesh, hardware, options, traced):
     the runtime needs the planner's split step and per-stage layouts, which a plan file does
     not hold, so every process plans it (the planner is deterministic: fixed solver seed and
     workers) and the processes compare the plans and every stage's layouts before the first
-    step."""
+    step. An SPMD plan goes through `cache` (a shardplan.cache.PlanCache, or None), read and
+    written by process 0."""
     if options.pipeline != "mpmd":
         why = probe_spmd(fn, args, mesh, options)
         if not isinstance(why, str):
-            def obtain():
+            step_fp = fp_mod.step_fingerprint(traced, mesh, hardware, options)
+
+            def plan_it():
                 spmd = plan_spmd(fn, args, mesh, hardware, options, traced)
                 if isinstance(spmd, str):  # probe_spmd said yes: planning should agree
                     raise RuntimeError(f"no SPMD pipeline: {spmd}")  # noqa: TRY004
                 return spmd.plan
 
-            plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options), obtain)
+            plan = plan_once(step_fp, lambda: _spmd_cached(cache, step_fp, plan_it))
             return dataclasses.replace(plan, in_tree=traced.in_tree,
                                        out_tree=traced.out_tree), None
         if options.pipeline == "spmd":
@@ -110,16 +113,11 @@ def plan_auto_once(traced, mesh, hardware, options, decide: Callable[[], Choice]
     step_fp = fp_mod.step_fingerprint(traced, mesh, hardware, options)
     mine: dict[str, Choice] = {}
 
-    def obtain() -> Plan:
-        hit = cache.load(step_fp) if cache is not None else None
-        if hit is not None and hit.pipeline_kind == "spmd":
-            return hit
+    def plan_it() -> Plan:
         mine["choice"] = choice = decide()
-        if cache is not None and choice.pipelined and choice.plan.pipeline_kind == "spmd":
-            cache.store(step_fp, dataclasses.replace(choice.plan, device_mesh=None))
         return choice.plan
 
-    plan = plan_once(step_fp, obtain)
+    plan = plan_once(step_fp, lambda: _spmd_cached(cache, step_fp, plan_it))
     if plan.pipeline_kind != "mpmd":
         return dataclasses.replace(plan, in_tree=traced.in_tree, out_tree=traced.out_tree), None
     if "choice" in mine:
@@ -146,6 +144,19 @@ def plan_auto_once(traced, mesh, hardware, options, decide: Callable[[], Choice]
             "pipeline=False or 'spmd'")
     _agree_layouts(choice.pipeline)
     return choice.plan, choice.pipeline
+
+
+def _spmd_cached(cache, step_fp: str, plan_it: Callable[[], Plan]) -> Plan:
+    """The SPMD pipeline plan `cache` holds for `step_fp`, else `plan_it()` (stored there if it
+    is one: an MPMD plan is rebuilt by the pipeline planner, which its JSON cannot stand in
+    for; one program's plan under pipeline="auto" is chosen again)."""
+    hit = cache.load(step_fp) if cache is not None else None
+    if hit is not None and hit.pipeline_kind == "spmd":
+        return hit
+    plan = plan_it()
+    if cache is not None and plan.pipeline_kind == "spmd":
+        cache.store(step_fp, dataclasses.replace(plan, device_mesh=None))
+    return plan
 
 
 def _agree_layouts(pp) -> None:

@@ -11,7 +11,8 @@ stages of the marked MLP, by wrapping shardplan.measure.choose_measured, the cho
 calls: the cost model does not pick a pipeline for steps this small); each 3 steps from process-local rows with
 shardplan.global_args against the single-device step. Then two MPMD choices that process 1
 makes differently from process 0 (4 stages; one program): both processes must raise
-PlanMismatchError before the first step.
+PlanMismatchError before the first step. Last, an SPMD choice planned twice through one plan
+cache: process 0 decides once, then loads the plan.
 """
 
 import faulthandler
@@ -115,6 +116,25 @@ def mismatch(shardplan, me, mesh):
     return None
 
 
+def cached(shardplan, me, mesh, original, directory):
+    """pipeline="auto" choosing the SPMD pipeline, twice, through one plan cache: how often
+    this process decided, and the two plans' fingerprints."""
+    calls = []
+    choose = deciding(original, me, [{"pipeline": "spmd"}] * 2)
+    shardplan.measure.choose_measured = lambda *a: calls.append(1) or choose(*a)
+    step_fn = scanned.make_step(shardplan)
+    rows = slice(me * scanned.ROWS, (me + 1) * scanned.ROWS)
+    x, y = scanned.global_batch(0)
+    fps = []
+    for _ in range(2):
+        step = shardplan.auto(step_fn, mesh=mesh, hardware="cpu", pipeline="auto",
+                              num_micro_batches=8, time_limit=10.0, cache=directory)
+        args = shardplan.global_args(step, scanned.initial_params(), x[rows], y[rows])
+        fps.append(shardplan.fingerprint.plan_fingerprint(step.plan(*args)))
+        jax.block_until_ready(step(*args))
+    return {"decisions": len(calls), "plan_fingerprints": fps}
+
+
 def main(port, me, path):
     faulthandler.dump_traceback_later(float(os.environ.get("WORKER_STACKS_AFTER_S", "100")))
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NUM_PROCESSES,
@@ -135,6 +155,9 @@ def main(port, me, path):
             print(f"mismatch {name}", flush=True)
             shardplan.measure.choose_measured = deciding(original, me, decide)
             out[name] = mismatch(shardplan, me, by_name["grid"])
+        print("cached", flush=True)
+        out["cached"] = cached(shardplan, me, by_name["stage"], original,
+                               os.path.join(os.path.dirname(path), "cache"))
     except Exception:  # noqa: BLE001 (reported to the test)
         out["exception"] = traceback.format_exc()
     finally:

@@ -44,3 +44,11 @@ def test_a_process_that_chooses_otherwise_is_refused_before_the_first_step(resul
         err = out[case]
         assert err is not None, "the step ran though the processes chose differently"
         assert "process 1" in err and words in err, err
+
+
+@pytest.mark.multiprocess
+def test_an_spmd_choice_is_loaded_from_the_cache_the_second_time(results):
+    assert results[0]["cached"]["decisions"] == 1  # process 0 decided once, then loaded
+    assert results[1]["cached"]["decisions"] == 0  # the others receive the plan
+    fps = [fp for out in results for fp in out["cached"]["plan_fingerprints"]]
+    assert len(set(fps)) == 1, fps
