@@ -7,7 +7,8 @@ process 0 chooses the kind of program and broadcasts the plan, every process che
 Runs: "auto scanned" and "auto marked" (auto's own choice, one program, for a scanned 8-layer
 MLP on a (stage=4, data=2) mesh and a stage-marked 4-block MLP on a 2 x 4 mesh); "spmd" and
 "mpmd" (process 0's choice made an SPMD pipeline of the scanned MLP / an MPMD pipeline of 2
-stages of the marked MLP, by wrapping shardplan.measure.choose_measured, the chooser auto
+stages of the marked MLP, with the "cpu" profile and with one whose hosts of 4 devices are
+the processes, by wrapping shardplan.measure.choose_measured, the chooser auto
 calls: the cost model does not pick a pipeline for steps this small); each 3 steps from process-local rows with
 shardplan.global_args against the single-device step. Then two MPMD choices that process 1
 makes differently from process 0 (4 stages; one program): both processes must raise
@@ -36,12 +37,14 @@ from tests import multihost_mpmd_worker as marked  # a 4-block MLP with stage ma
 from tests import multihost_spmd_worker as scanned  # a scanned 8-layer MLP
 
 NUM_PROCESSES = 2
-# run: (model, mesh, the options process 0 / process 1 decide with; None: auto's own choice)
+# run: (model, mesh, the options process 0 / process 1 decide with, or None for auto's own
+# choice; the hardware profile: "hosts" = 4 devices per host, the processes)
 RUNS = {
-    "auto scanned": (scanned, "stage", None),
-    "auto marked": (marked, "grid", None),
-    "spmd": (scanned, "stage", [{"pipeline": "spmd"}] * 2),
-    "mpmd": (marked, "grid", [{"pipeline": "mpmd", "num_stages": 2}] * 2),
+    "auto scanned": (scanned, "stage", None, "cpu"),
+    "auto marked": (marked, "grid", None, "cpu"),
+    "spmd": (scanned, "stage", [{"pipeline": "spmd"}] * 2, "cpu"),
+    "mpmd": (marked, "grid", [{"pipeline": "mpmd", "num_stages": 2}] * 2, "cpu"),
+    "mpmd, hosts": (marked, "grid", [{"pipeline": "mpmd", "num_stages": 2}] * 2, "hosts"),
 }
 MISMATCHES = {
     "mpmd, other stages": [{"pipeline": "mpmd", "num_stages": 2},
@@ -77,11 +80,15 @@ def read_loss(loss):
     return float(np.asarray(multihost_utils.process_allgather(loss, tiled=True)))
 
 
-def run(shardplan, me, model, mesh):
+def run(shardplan, me, model, mesh, hardware):
     """3 steps with pipeline="auto": what this process saw."""
+    from shardplan.cost.hardware import HardwareProfile
+
     step_fn = model.make_step(shardplan)
     want, want_losses = model.reference(step_fn, 3)
-    step = shardplan.auto(step_fn, mesh=mesh, hardware="cpu", pipeline="auto",
+    if hardware == "hosts":  # hosts of 4 devices: the processes
+        hardware = HardwareProfile.two_level(4, intra_bandwidth=1e10, inter_bandwidth=1e9)
+    step = shardplan.auto(step_fn, mesh=mesh, hardware=hardware, pipeline="auto",
                           num_micro_batches=8 if model is scanned else 4, time_limit=10.0)
     rows = slice(me * model.ROWS, (me + 1) * model.ROWS)
     params, losses, out = model.initial_params(), [], {}
@@ -147,10 +154,10 @@ def main(port, me, path):
     original = shardplan.measure.choose_measured
     try:
         by_name = meshes(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
-        for name, (model, mesh, decide) in RUNS.items():
+        for name, (model, mesh, decide, hardware) in RUNS.items():
             print(f"run {name}", flush=True)
             shardplan.measure.choose_measured = deciding(original, me, decide)
-            out[name] = run(shardplan, me, model, by_name[mesh])
+            out[name] = run(shardplan, me, model, by_name[mesh], hardware)
         for name, decide in MISMATCHES.items():
             print(f"mismatch {name}", flush=True)
             shardplan.measure.choose_measured = deciding(original, me, decide)

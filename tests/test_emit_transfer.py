@@ -89,3 +89,12 @@ def test_moves_are_priced_over_the_link_they_cross():
     assert transfer_cost.move(V, [0, 1], (1, 2), [1, 0], (2, 1), hw).seconds == 0.0
     fwd, back = transfer_cost.boundary(V, [0, 1, 2, 3], (1, 4), [4, 5], (1, 2), hw)
     assert fwd.program == back.program == "scatter" and fwd.seconds != back.seconds
+
+
+def test_the_profile_s_hosts_against_the_processes():
+    from types import SimpleNamespace
+
+    devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+    assert not transfer_cost.hosts_differ_from_processes(HardwareProfile.two_level(4), devices)
+    assert transfer_cost.hosts_differ_from_processes(HardwareProfile.two_level(8), devices)
+    assert transfer_cost.hosts_differ_from_processes(HardwareProfile.two_level(2), devices)

@@ -14,7 +14,7 @@ WORKER = pathlib.Path(__file__).with_name("multihost_auto_worker.py")
 # run: (pipeline kind, stages). The cost model keeps steps this small as one program; the
 # worker makes process 0's choice an SPMD or an MPMD pipeline for the other two runs.
 KINDS = {"auto scanned": ("", 0), "auto marked": ("", 0), "spmd": ("spmd", 4),
-         "mpmd": ("mpmd", 2)}
+         "mpmd": ("mpmd", 2), "mpmd, hosts": ("mpmd", 2)}
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +52,13 @@ def test_an_spmd_choice_is_loaded_from_the_cache_the_second_time(results):
     assert results[1]["cached"]["decisions"] == 0  # the others receive the plan
     fps = [fp for out in results for fp in out["cached"]["plan_fingerprints"]]
     assert len(set(fps)) == 1, fps
+
+
+@pytest.mark.multiprocess
+def test_the_mpmd_moves_between_processes_are_priced_over_the_inter_host_link(results):
+    hosts = "\n".join(results[0]["mpmd, hosts"]["notes"])
+    assert "stage 0 -> 1:" in hosts and "by permute over the inter-host link" in hosts, hosts
+    assert "not the profile's hosts" not in hosts
+    # the "cpu" profile puts all 8 devices on one host: the notes say the processes differ
+    cpu = "\n".join(results[0]["mpmd"]["notes"])
+    assert "intra-host link" in cpu and "not the profile's hosts" in cpu, cpu

@@ -213,7 +213,7 @@ def _assemble(tables: Tables, option: PipelineOption, cluster: Cluster, hw: Hard
     input_specs, output_specs = _io_specs(split, ios, specs)
     notes = _explain(option, alternatives, stages, cluster, hw, schedule, B,
                      estimate.bubble_fraction, intra_total)
-    notes[1 + len(stages):1 + len(stages)] = _move_notes(moves, hw)
+    notes[1 + len(stages):1 + len(stages)] = _move_notes(moves, hw, mesh)
     mesh_shape = (mesh if isinstance(mesh, MeshShape) else
                   MeshShape.of(mesh) if mesh is not None and not isinstance(mesh, int) else
                   MeshShape(STAGE_AXES, (cluster.num_hosts, cluster.per_host)))
@@ -227,12 +227,20 @@ def _assemble(tables: Tables, option: PipelineOption, cluster: Cluster, hw: Hard
         time.perf_counter() - start, None if isinstance(mesh, (MeshShape, int)) else mesh)
 
 
-def _move_notes(moves, hw: HardwareProfile) -> list[str]:
-    """What the moves between stages cost, and over which link."""
+def _move_notes(moves, hw: HardwareProfile, mesh=None) -> list[str]:
+    """What the moves between stages cost, and over which link; whether the profile's hosts
+    are the processes of a multi-controller mesh."""
     if not moves:
         return []
     lines = [(f"  moves between stages (collective programs, also across processes; "
              f"{hw.devices_per_host} devices per host in profile {hw.name}):")]
+    devices = list(np.asarray(mesh.devices).flat) if hasattr(mesh, "devices") else []
+    processes = {getattr(d, "process_index", 0) for d in devices}
+    if len(processes) > 1 and transfer_cost.hosts_differ_from_processes(hw, devices):
+        lines.append(f"    (the mesh spans {len(processes)} processes whose devices are not "
+                     f"the profile's hosts of {hw.devices_per_host}: moves between processes "
+                     "may be priced over the intra-host link; give a profile whose "
+                     "devices_per_host is the devices per process)")
     for q, nbytes, fwd, bwd in moves:
         link = (f"inter-host link {fmt_bytes(hw.inter_host.bandwidth)}/s" if fwd.inter_host
                 else f"intra-host link {fmt_bytes(hw.intra_host.bandwidth)}/s")

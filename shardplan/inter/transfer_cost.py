@@ -61,3 +61,14 @@ def boundary(nbytes: float, prev: Sequence[int], prev_shape: Sequence[int],
     """The activations into a stage (from the stage before it) and their gradients back."""
     return (move(nbytes, prev, prev_shape, this, this_shape, hw),
             move(nbytes, this, this_shape, prev, prev_shape, hw))
+
+
+def hosts_differ_from_processes(hw: HardwareProfile, devices) -> bool:
+    """Whether the profile's hosts (device id // devices_per_host) group `devices` (jax
+    devices) otherwise than their processes do."""
+    by_host: dict[int, set[int]] = {}
+    by_process: dict[int, set[int]] = {}
+    for d in devices:
+        by_host.setdefault(d.id // hw.devices_per_host, set()).add(d.id)
+        by_process.setdefault(d.process_index, set()).add(d.id)
+    return sorted(map(sorted, by_host.values())) != sorted(map(sorted, by_process.values()))
