@@ -172,13 +172,25 @@ class AutoStep:
         fp = fingerprint(traced.in_tree, traced.closed_jaxpr, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
         multi = distributed.is_multi_controller()
-        if self._given_plan is None and multi and o.pipeline in (True, "spmd", "mpmd"):
-            # The SPMD pipeline (process 0 plans it) where it applies, else the MPMD one
-            # (every process plans it); all check the plan before the first step.
-            plan, pp = distributed.plan_pipeline_once(self.fn, args, mesh, hw, o, traced)
-            return self._emit_spmd(plan, fp) if pp is None else self._emit_mpmd(plan, pp, fp)
-        # Multi-controller, pipeline="auto" plans one program (process 0 plans, broadcasts).
-        if self._given_plan is None and o.pipeline is not False and not multi:
+        if self._given_plan is None and multi and o.pipeline is not False:
+            if o.pipeline == "auto":
+                # Process 0 chooses (one program, SPMD or MPMD pipeline) and broadcasts the
+                # plan; every process checks it (its fingerprint covers the pipeline kind).
+                plan, pp = distributed.plan_auto_once(
+                    traced, mesh, hw, o, lambda: measure.choose_measured(
+                        self.fn, args, mesh, hw, o, traced, self.donate_argnums),
+                    cache_mod.PlanCache.of(self.plan_cache))
+            else:
+                # The SPMD pipeline (process 0 plans it) where it applies, else the MPMD one
+                # (every process plans it); all check the plan before the first step.
+                plan, pp = distributed.plan_pipeline_once(
+                    self.fn, args, mesh, hw, o, traced, cache_mod.PlanCache.of(self.plan_cache))
+            if pp is not None:
+                return self._emit_mpmd(plan, pp, fp)
+            if plan.pipeline_kind == "spmd":
+                return self._emit_spmd(plan, fp)
+            plan, graph = _adopt(plan, traced, mesh)  # one program, as process 0 chose
+        elif self._given_plan is None and o.pipeline is not False:
             # An SPMD pipeline plan is one program's plan: cached like one (an MPMD plan is
             # rebuilt by the pipeline planner, which its JSON cannot stand in for).
             cache = cache_mod.PlanCache.of(self.plan_cache)
@@ -347,8 +359,8 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
         the cheapest that fits), pipeline (False: one program; True: pipeline stages, as
         an SPMD pipeline (one program, stages along a `stage` mesh axis) where the loss
         runs its layers as one scan over stacked parameters, else MPMD stages on
-        submeshes; "spmd" / "mpmd": that kind only; "auto": MPMD stages only where the
-        cost model says they pay; pipelines need the step's gradient taken with
+        submeshes; "spmd" / "mpmd": that kind only; "auto": an SPMD or MPMD pipeline only
+        where it beats one program (the cost model, or compiled with measure); pipelines need the step's gradient taken with
         shardplan.value_and_grad / shardplan.grad; see docs/concepts.md#pipelines),
         num_micro_batches, num_stages, num_layers, schedule ("1f1b" or "gpipe"), hints
         (shardings to pin, the planner choosing the rest: a dict {path pattern:
@@ -362,7 +374,9 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
     broadcasts it, and every process checks that all run the same plan before the first step
     (shardplan.distributed); build the inputs with shardplan.global_args. An MPMD pipeline is
     planned by every process and compared; each process runs its own stages' programs, and
-    values cross processes in collective programs (docs/multihost.md#mpmd-pipelines).
+    values cross processes in collective programs (docs/multihost.md#mpmd-pipelines). With
+    pipeline="auto" process 0 chooses the kind (one program, SPMD or MPMD pipeline) and the
+    plans' fingerprints, which cover the kind and the stages, are compared as above.
     """
     if fn is not None:
         _check_fn(fn, "shardplan.auto")

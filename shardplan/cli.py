@@ -91,7 +91,7 @@ def search_options(config: Config, work: Workload, notes: list[str]):
     """The config's SearchOptions for shardplan.search (one program: pipeline planning is not
     offered by the CLI yet), measuring only where the CPU devices to compile on exist."""
     options = config.search_options()
-    if options.pipeline is True or config.search.num_micro_batches > 1:
+    if options.pipeline in (True, "spmd", "mpmd") or config.search.num_micro_batches > 1:
         raise ConfigError("search.pipeline", "the shardplan command plans one program "
                           "(intra-operator parallelism) on each mesh; pipeline stages and "
                           "micro-batches are planned by shardplan.auto(step, mesh=..., "

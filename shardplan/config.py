@@ -156,8 +156,10 @@ class SearchSection(_Section):
     """How to search: the fields of shardplan.options.SearchOptions (defaults from there, but
     for pipeline, num_micro_batches and measure, which the CLI sets otherwise)."""
 
-    pipeline: bool | Literal["auto"] = "auto"
-    """Split into pipeline stages: auto (when it pays), true (always) or false (never)."""
+    pipeline: bool | Literal["auto", "spmd", "mpmd"] = "auto"
+    """Split into pipeline stages: auto (where the cost model says they pay), true (always: an
+    SPMD pipeline where the layers are one scan, else MPMD stages), false (never), spmd or
+    mpmd (that kind only); see shardplan.SearchOptions.pipeline."""
     num_micro_batches: int = Field(1, ge=1)
     """Micro-batches per step for a pipeline (the batch must divide)."""
     schedule: Literal["1f1b", "gpipe"] = DEFAULTS.schedule
@@ -186,13 +188,17 @@ class SearchSection(_Section):
     @field_validator("pipeline", mode="before")
     @classmethod
     def _pipeline(cls, value):
-        if value in ("auto", True, False):
+        if isinstance(value, bool):
             return value
-        raise ValueError(f"must be auto, true or false, got {value!r}")
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"  # a quoted "true" / "false"
+        if isinstance(value, str) and value.lower() in ("auto", "spmd", "mpmd"):
+            return value.lower()
+        raise ValueError(f"must be true, false, auto, spmd or mpmd, got {value!r}")
 
     @model_validator(mode="after")
     def _hints_one_program(self):
-        if self.hints and self.pipeline is True:
+        if self.hints and self.pipeline in (True, "spmd", "mpmd"):
             raise ValueError("hints pin the shardings of one program: set pipeline to auto "
                              "or false, or drop the hints")
         return self

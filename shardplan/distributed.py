@@ -24,7 +24,7 @@ from shardplan import fingerprint as fp_mod
 from shardplan.ir.graph import Role
 from shardplan.ir.trace import trace
 from shardplan.plan import Plan
-from shardplan.search import choose, plan_spmd
+from shardplan.search import Choice, choose, plan_spmd
 from shardplan.spmd_search import probe_spmd
 
 
@@ -56,7 +56,7 @@ def default_mesh():
                              axis_types=(auto, auto))
 
 
-def plan_pipeline_once(fn, args, mesh, hardware, options, traced):
+def plan_pipeline_once(fn, args, mesh, hardware, options, traced, cache=None):
     """The pipeline of a multi-controller step: (Plan, the PipelinePlan of an MPMD pipeline or
     None for an SPMD one).
 
@@ -65,17 +65,20 @@ def plan_pipeline_once(fn, args, mesh, hardware, options, traced):
     the runtime needs the planner's split step and per-stage layouts, which a plan file does
     not hold, so every process plans it (the planner is deterministic: fixed solver seed and
     workers) and the processes compare the plans and every stage's layouts before the first
-    step."""
+    step. An SPMD plan goes through `cache` (a shardplan.cache.PlanCache, or None), read and
+    written by process 0."""
     if options.pipeline != "mpmd":
         why = probe_spmd(fn, args, mesh, options)
         if not isinstance(why, str):
-            def obtain():
+            step_fp = fp_mod.step_fingerprint(traced, mesh, hardware, options)
+
+            def plan_it():
                 spmd = plan_spmd(fn, args, mesh, hardware, options, traced)
                 if isinstance(spmd, str):  # probe_spmd said yes: planning should agree
                     raise RuntimeError(f"no SPMD pipeline: {spmd}")  # noqa: TRY004
                 return spmd.plan
 
-            plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options), obtain)
+            plan = plan_once(step_fp, lambda: _spmd_cached(cache, step_fp, plan_it))
             return dataclasses.replace(plan, in_tree=traced.in_tree,
                                        out_tree=traced.out_tree), None
         if options.pipeline == "spmd":
@@ -90,6 +93,76 @@ def plan_pipeline_once(fn, args, mesh, hardware, options, traced):
     plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options), obtain_mpmd,
                      broadcast=False)
     pp = found["choice"].pipeline
+    _agree_layouts(pp)
+    return plan, pp
+
+
+def plan_auto_once(traced, mesh, hardware, options, decide: Callable[[], Choice],
+                   cache=None) -> tuple[Plan, object]:
+    """pipeline="auto" in a multi-controller job: (Plan, the PipelinePlan of an MPMD
+    pipeline or None).
+
+    Process 0 decides (`decide()`: the cost model's, or the measured, choice between one
+    program, an SPMD pipeline and an MPMD pipeline; an SPMD plan from `cache` if it holds
+    one) and broadcasts the plan; every process compares its fingerprint, which covers the
+    pipeline kind, the stages and the schedule, so all emit the same kind of program. One
+    program or an SPMD pipeline is then emitted from the broadcast plan. An MPMD pipeline's
+    runtime needs the planner's split step and per-stage layouts, which a plan does not hold:
+    then the other processes run `decide()` too (deterministic), and every process checks
+    that it chose process 0's plan and that the stages lay out their values alike, before
+    the first step."""
+    step_fp = fp_mod.step_fingerprint(traced, mesh, hardware, options)
+    mine: dict[str, Choice] = {}
+
+    def plan_it() -> Plan:
+        mine["choice"] = choice = decide()
+        return choice.plan
+
+    plan = plan_once(step_fp, lambda: _spmd_cached(cache, step_fp, plan_it))
+    if plan.pipeline_kind != "mpmd":
+        return dataclasses.replace(plan, in_tree=traced.in_tree, out_tree=traced.out_tree), None
+    if "choice" in mine:
+        choice, error = mine["choice"], None
+    else:
+        choice, error = _attempt(decide)
+    if error is not None:
+        status = f"failed to plan the MPMD pipeline process 0 chose: {_error_text(error)}"
+    elif choice.pipeline is None or choice.plan.pipeline_kind != "mpmd":
+        status = (f"chose {choice.plan.pipeline_kind or 'one program'} where process 0 chose "
+                  "an MPMD pipeline")
+    else:
+        diff = fp_mod.first_difference(plan.to_dict(), choice.plan.to_dict())
+        status = "" if diff is None else f"planned another MPMD pipeline: {diff}"
+    got = _allgather_text(status)
+    if any(got):
+        if error is not None:
+            raise error
+        who = next(i for i, g in enumerate(got) if g)
+        raise PlanMismatchError(
+            f"pipeline='auto': process 0 chose an MPMD pipeline, which every process plans "
+            f"itself, and process {who} {got[who]}: the planner was not deterministic here (a "
+            "solver time limit reached under load?); raise time_limit=, or pass "
+            "pipeline=False or 'spmd'")
+    _agree_layouts(choice.pipeline)
+    return choice.plan, choice.pipeline
+
+
+def _spmd_cached(cache, step_fp: str, plan_it: Callable[[], Plan]) -> Plan:
+    """The SPMD pipeline plan `cache` holds for `step_fp`, else `plan_it()` (stored there if it
+    is one: an MPMD plan is rebuilt by the pipeline planner, which its JSON cannot stand in
+    for; one program's plan under pipeline="auto" is chosen again)."""
+    hit = cache.load(step_fp) if cache is not None else None
+    if hit is not None and hit.pipeline_kind == "spmd":
+        return hit
+    plan = plan_it()
+    if cache is not None and plan.pipeline_kind == "spmd":
+        cache.store(step_fp, dataclasses.replace(plan, device_mesh=None))
+    return plan
+
+
+def _agree_layouts(pp) -> None:
+    """Every process's MPMD pipeline lays out its stages' values alike, else
+    PlanMismatchError in every process."""
     layouts = fp_mod.digest(repr([sorted((v, str(sp)) for v, sp in stage.items())
                                   for stage in pp.specs]))
     got = _allgather_text(layouts)
@@ -100,7 +173,6 @@ def plan_pipeline_once(fn, args, mesh, hardware, options, traced):
             "inputs, outputs and stages: the planner was not deterministic here (a solver time "
             "limit reached under load?); raise time_limit=, or plan once and pass "
             "pipeline=False")
-    return plan, pp
 
 
 def plan_once(step_fingerprint: str, obtain: Callable[[], Plan], *,
@@ -184,8 +256,12 @@ def _plan_json(plan: Plan) -> str:
     return json.dumps(plan.to_dict(), sort_keys=True)
 
 
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 def _error_json(error: BaseException) -> str:
-    return json.dumps({"error": f"{type(error).__name__}: {error}"})
+    return json.dumps({"error": _error_text(error)})
 
 
 def _group(values: Sequence[str]) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
 
 PLAN_KEYS = ("mesh", "inputs", "outputs", "constraints", "operand_specs", "stages",
-             "num_micro_batches", "schedule")
+             "num_micro_batches", "schedule", "pipeline_kind")
 """The fields of Plan.to_dict() that decide what runs (not the estimate, timings or notes)."""
 
 
@@ -107,7 +107,8 @@ def plan_key(plan_dict: Mapping) -> dict:
 
 def plan_fingerprint(plan) -> str:
     """Hash of a Plan's decisions: mesh, input/output specs, constraints, operand routes,
-    stages. Plans with equal fingerprints run the same program."""
+    stages, micro-batches, schedule and the kind of pipeline (one program, SPMD, MPMD).
+    Plans with equal fingerprints run the same program."""
     d = plan if isinstance(plan, Mapping) else plan.to_dict()
     return digest(canonical_json(plan_key(d)))
 
@@ -115,7 +116,7 @@ def plan_fingerprint(plan) -> str:
 def first_difference(a: Mapping, b: Mapping) -> str | None:
     """The first decision two Plan.to_dict()s differ in, named for a person ("input
     '[0][1]': {...} vs {...}"), or None if they decide the same."""
-    for field in ("mesh", "num_micro_batches", "schedule"):
+    for field in ("pipeline_kind", "mesh", "num_micro_batches", "schedule"):
         if a.get(field) != b.get(field):
             return f"{field}: {a.get(field)!r} vs {b.get(field)!r}"
     for field, label in (("inputs", "input"), ("outputs", "output")):
@@ -134,8 +135,13 @@ def first_difference(a: Mapping, b: Mapping) -> str | None:
         for k in sorted(set(xs) | set(ys), key=_natural):
             if xs.get(k) != ys.get(k):
                 return f"{label} {k}: {_spec_text(xs.get(k))} vs {_spec_text(ys.get(k))}"
-    if a.get("stages") != b.get("stages"):
-        return "pipeline stages differ"
+    xs, ys = a.get("stages") or [], b.get("stages") or []
+    if len(xs) != len(ys):
+        return f"number of pipeline stages: {len(xs)} vs {len(ys)}"
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        for key in sorted(set(x) | set(y)):
+            if x.get(key) != y.get(key):
+                return f"pipeline stage {i} {key}: {x.get(key)!r} vs {y.get(key)!r}"
     return None
 
 

@@ -307,8 +307,9 @@ def test_time_limit_with_no_plan_exits_4(tmp_path, capsys, monkeypatch):
 
 def test_pipeline_settings_are_rejected_or_noted(tmp_path, capsys):
     path = _write(tmp_path)
-    assert main(["search", path, "-q", "--set", "search.pipeline=true"]) == 2
-    assert "search.pipeline" in capsys.readouterr().err
+    for mode in ("true", "spmd", "mpmd"):
+        assert main(["search", path, "-q", "--set", f"search.pipeline={mode}"]) == 2
+        assert "search.pipeline" in capsys.readouterr().err
     assert main(["search", path, "-q", "--set", "search.num_micro_batches=4"]) == 2
 
 

@@ -57,7 +57,8 @@ def test_unknown_keys_are_named_with_the_allowed_ones(override, key, words):
 
 
 @pytest.mark.parametrize("override, key, words", [
-    ("search.pipeline=sometimes", "search.pipeline", ["auto, true or false"]),
+    ("search.pipeline=sometimes", "search.pipeline", ["true, false, auto, spmd or mpmd"]),
+    ("search.pipeline=3", "search.pipeline", ["true, false, auto, spmd or mpmd", "3"]),
     ("search.schedule=zigzag", "search.schedule", ["1f1b", "gpipe"]),
     ("search.time_limit=-1", "search.time_limit", ["greater than 0"]),
     ("search.num_micro_batches=0", "search.num_micro_batches", ["greater than or equal to 1"]),
@@ -107,6 +108,15 @@ def test_missing_sections_and_several_errors():
     assert e.key == "cluster" and "required" in str(e)
     e = _error(BASE, ["search.time_limit=abc", "extra=1"])
     assert "search.time_limit" in str(e) and "extra" in str(e)
+
+
+@pytest.mark.parametrize("value, want", [
+    ("true", True), ("false", False), ("auto", "auto"), ("spmd", "spmd"), ("mpmd", "mpmd"),
+    ("SPMD", "spmd"), ('"false"', False)])
+def test_search_pipeline_takes_the_pipeline_modes(value, want):
+    config = parse_config(apply_overrides(BASE, [f"search.pipeline={value}"]))
+    assert config.search.pipeline == want and type(config.search.pipeline) is type(want)
+    assert config.search_options().pipeline == want  # SearchOptions accepts every mode
 
 
 def test_overrides_parse_yaml_and_create_sections():
@@ -190,7 +200,8 @@ search:
                           ("2/**", P(("data", "model"))), ("1/**", P()))
     assert hints.logical_axis_rules == (("batch", "data"), ("mlp", "model"), ("embed", None))
     assert not parse_config(BASE).search_options().hints
-    e = _error(BASE, ['search.hints={"2/**": [data]}', "search.pipeline=true"])
-    assert e.key == "search" and "pipeline" in str(e)
+    for mode in ("true", "spmd", "mpmd"):
+        e = _error(BASE, ['search.hints={"2/**": [data]}', f"search.pipeline={mode}"])
+        assert e.key == "search" and "pipeline" in str(e)
     e = _error(BASE, ["search.hints=[data]"])
     assert e.key == "search.hints"

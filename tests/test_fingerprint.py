@@ -65,3 +65,18 @@ def test_the_plan_fingerprint_sees_specs_not_timings(mesh2x4):
     assert diff.startswith(f"input {plan.input_names[k]!r}: spec P("), diff
     assert diff.endswith("vs P(None, None)"), diff
     assert fingerprint.first_difference(plan.to_dict(), plan.to_dict()) is None
+
+
+def test_the_plan_fingerprint_sees_the_pipeline_kind_and_the_stages(mesh2x4):
+    """Processes that chose different kinds of program (pipeline="auto") or stages differ."""
+    plan = _plan(mesh2x4)
+    spmd = dataclasses.replace(plan, pipeline_kind="spmd")
+    assert fingerprint.plan_fingerprint(spmd) != fingerprint.plan_fingerprint(plan)
+    assert fingerprint.first_difference(plan.to_dict(), spmd.to_dict()) == \
+        "pipeline_kind: '' vs 'spmd'"
+    a = {**plan.to_dict(), "stages": [{"layers": [0, 1], "devices": [0, 1]},
+                                      {"layers": [2, 3], "devices": [2, 3]}]}
+    b = {**a, "stages": [a["stages"][0], {"layers": [2, 3], "devices": [4, 5]}]}
+    assert fingerprint.first_difference(a, b) == "pipeline stage 1 devices: [2, 3] vs [4, 5]"
+    assert fingerprint.first_difference(a, {**a, "stages": a["stages"][:1]}) == \
+        "number of pipeline stages: 2 vs 1"

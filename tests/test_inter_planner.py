@@ -87,3 +87,36 @@ def test_plan_round_trip_and_forced_stage_errors(mesh8, tmp_path):
         assert f.read(4) == b"\x89PNG"
     with pytest.raises(ValueError, match="equal submeshes"):
         planner.plan_pipeline(step, args, mesh8, SLOW, SearchOptions(num_stages=3))
+
+
+def test_moves_between_stages_are_priced_over_the_link_they_cross(mesh8):
+    """Two stages on the two hosts of SLOW: the activations and their gradients cross the
+    inter-host link (in a multi-controller job, the processes), priced by
+    inter.transfer_cost where the stages sit; a slower inter-host link costs the step exactly
+    that much more, and the notes say so."""
+    from shardplan.inter import transfer_cost
+
+    step, args, _ = mlp_step(num_layers=4, width=64, batch=16)
+    options = SearchOptions(num_stages=2, num_micro_batches=2)
+    slower = HardwareProfile.two_level(4, inter_bandwidth=1e8)
+    pp, pp_slow = (planner.plan_pipeline(step, args, mesh8, hw, options) for hw in (SLOW, slower))
+    assert [s.devices for s in pp.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    split = pp.split
+    tables = planner.build_tables(split, planner.stage_io.layer_groups(split, None),
+                                  planner.CostTables(SLOW, planner.Cluster.of(mesh8, SLOW),
+                                                     planner.intra_options(options)), SLOW,
+                                  None, [(1, 4)])
+    first_of_stage_1 = pp.stages[1].layers[0]
+    nbytes = tables.in_bytes[first_of_stage_1]
+    assert nbytes > 0
+    fast_moves, slow_moves = (transfer_cost.boundary(nbytes, (0, 1, 2, 3), (1, 4),
+                                                     (4, 5, 6, 7), (1, 4), hw)
+                              for hw in (SLOW, slower))
+    assert all(m.program == "permute" and m.inter_host for m in fast_moves)
+    extra = sum(m.seconds for m in slow_moves) - sum(m.seconds for m in fast_moves)
+    assert pp.stages[0].estimate.comm_s == pytest.approx(pp_slow.stages[0].estimate.comm_s)
+    assert pp_slow.stages[1].estimate.comm_s - pp.stages[1].estimate.comm_s == \
+        pytest.approx(extra)
+    assert pp.estimate.total_s == pytest.approx(pp.chosen.total_s)
+    notes = "\n".join(pp.notes)
+    assert "stage 0 -> 1" in notes and "by permute over the inter-host link" in notes, notes

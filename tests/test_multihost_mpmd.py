@@ -49,8 +49,8 @@ def test_the_plan_gives_each_input_its_stage_sharding(results, run):
 
 @pytest.mark.multiprocess
 def test_values_cross_processes_in_collective_programs(results):
-    want = {"same shape, other spec": "permute", "other shape": "broadcast",
-            "booleans, back": "broadcast", "source on both processes": "broadcast"}
+    want = {"same shape, other spec": "permute", "other shape": "scatter",
+            "booleans, back": "scatter", "source on both processes": "scatter"}
     for name, program in want.items():
         errors = [out["moves"][name]["error"] for out in results]
         assert any(e is not None for e in errors), name  # some process holds the destination

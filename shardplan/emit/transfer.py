@@ -6,7 +6,9 @@ input that is not fully addressable"), so a move that involves several processes
 collective program over the union of the source's and the destination's devices (shard_map):
 a `ppermute` from each source device to the destination device that needs the same block
 where both sides are laid out alike on meshes of one shape, else the value made whole on the
-source and sent to every destination device with a masked `psum`. Every process that owns one
+source (gathered among the source devices) and each destination device's block sent to it by
+`ppermute` from one source device, in as many rounds as destinations per source. Either way
+the value crosses between the two sides once (shardplan.inter.transfer_cost prices it). Every process that owns one
 of those devices runs it; the others skip it. Callers issue moves in the same order in every
 process (a pipeline's schedule is static), so the collectives of two processes always pair up.
 
@@ -86,7 +88,7 @@ class Mover:
         if (not src_devices & dst_devices and src_mesh.axis_names == dst.mesh.axis_names
                 and src_mesh.devices.shape == dst.mesh.devices.shape):
             return self._permute(x, src_mesh, dst, shape, dtype)
-        return self._broadcast(x, src_mesh, dst, shape, dtype)
+        return self._scatter(x, src_mesh, dst, shape, dtype)
 
     def _program(self, key, build):
         if key not in self._programs:
@@ -140,32 +142,51 @@ class Mover:
                                      dtype))
         return self._take(out, dst, shape, dtype)
 
-    def _broadcast(self, x, src_mesh: Mesh, dst: NamedSharding, shape, dtype):
-        """Any layouts: the value made whole on the source devices, then a psum over the union
-        in which only the first source device contributes; the destination keeps its part."""
-        src_devices = frozenset(src_mesh.devices.flat)
+    def _scatter(self, x, src_mesh: Mesh, dst: NamedSharding, shape, dtype):
+        """Any layouts: the value made whole on the source devices (gathered among them), then
+        each destination device receives only its block, from one source device, by ppermute
+        in ceil(receivers / sources) rounds (a destination device that is also a source cuts
+        its block locally). On the wire between the sides: the value once, in blocks."""
+        key_of = _device_key
+        sources = sorted(src_mesh.devices.flat, key=key_of)
+        src_devices = frozenset(sources)
         x = self._staged(x, NamedSharding(src_mesh, P()), shape, dtype)
-        devices = sorted(src_devices | frozenset(dst.device_set),
-                         key=lambda d: (d.process_index, d.id))
-        leader = next(k for k, d in enumerate(devices) if d in src_devices)
-        union = Mesh(np.asarray(devices), (UNION,), axis_types=(jax.sharding.AxisType.Auto,))
-        gshape = (len(devices), *shape)
+        devices = sorted(src_devices | frozenset(dst.device_set), key=key_of)
+        pos = {d: k for k, d in enumerate(devices)}
+        block = dst.shard_shape(shape)
+        starts = np.zeros((len(devices), len(shape)), np.int32)
+        for d, index in dst.devices_indices_map(shape).items():
+            starts[pos[d]] = [sl.indices(n)[0] for sl, n in zip(index, shape)]
+        receivers = sorted((d for d in dst.device_set if d not in src_devices), key=key_of)
+        n = len(sources)
+        rounds = [[(pos[sources[k]], pos[d]) for k, d in enumerate(receivers[r:r + n])]
+                  for r in range(0, len(receivers), n)]
+        send = np.zeros((max(len(rounds), 1), len(devices), len(shape)), np.int32)
+        for r, pairs in enumerate(rounds):
+            for a, b in pairs:
+                send[r, a] = starts[b]
+        local = np.asarray([d in src_devices and d in dst.device_set for d in devices])
         wide = jnp.int32 if dtype == np.bool_ else None
 
         def body(b):
-            b = b if wide is None else b.astype(wide)
-            mine = jax.lax.axis_index(UNION) == leader
-            out = jax.lax.psum(jnp.where(mine, b, jnp.zeros_like(b)), UNION)
-            return out if wide is None else out.astype(dtype)
+            whole = b[0] if wide is None else b[0].astype(wide)
+            i = jax.lax.axis_index(UNION)
+            mine = jax.lax.dynamic_slice(whole, jnp.asarray(starts)[i], block)
+            out = jnp.where(jnp.asarray(local)[i], mine, jnp.zeros_like(mine))
+            for r, pairs in enumerate(rounds):
+                part = jax.lax.dynamic_slice(whole, jnp.asarray(send[r])[i], block)
+                out = out + jax.lax.ppermute(part, UNION, pairs)
+            return (out if wide is None else out.astype(dtype))[None]
 
-        key = ("broadcast", tuple(d.id for d in devices), leader, gshape, dtype)
+        union = Mesh(np.asarray(devices), (UNION,), axis_types=(jax.sharding.AxisType.Auto,))
+        key = ("scatter", tuple(d.id for d in devices), tuple(d.id for d in sources),
+               dst.spec, tuple(d.id for d in dst.mesh.devices.flat), tuple(shape), dtype)
         prog = self._program(key, lambda: jax.jit(jax.shard_map(
             body, mesh=union, in_specs=P(UNION), out_specs=P(UNION))))
-        out = prog(self._union_array(x, NamedSharding(union, P(UNION)), gshape, src_devices,
-                                     dtype))
-        whole = NamedSharding(dst.mesh, P())
-        y = self._take(out, whole, shape, dtype)
-        if dst.is_equivalent_to(whole, len(shape)):
-            return y
-        z = self._staged(y, dst, shape, dtype)
-        return empty(shape, dtype, dst) if z is None else z
+        out = prog(self._union_array(x, NamedSharding(union, P(UNION)),
+                                     (len(devices), *shape), src_devices, dtype))
+        return self._take(out, dst, shape, dtype)
+
+
+def _device_key(d):
+    return (d.process_index, d.id)

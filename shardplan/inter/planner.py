@@ -16,7 +16,7 @@ from shardplan.cost.estimate import Estimate
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.inter import schedule as schedule_mod
 from shardplan.inter import split as split_mod
-from shardplan.inter import stage_io
+from shardplan.inter import stage_io, transfer_cost
 from shardplan.inter import stages as stages_mod
 from shardplan.inter import submesh as submesh_mod
 from shardplan.inter.stages import Stage, device_span
@@ -137,14 +137,17 @@ class PipelinePlan:
         return "\n".join(self.notes)
 
 
-def _stage_layouts(tables: Tables, option: PipelineOption, cluster: Cluster, schedule: str
-                   ) -> tuple[list[dict[int, ShardSpec]], list[Stage]]:
-    """Each stage's input specs (from its layers' plans) and its Stage (devices, estimate)."""
+def _stage_layouts(tables: Tables, option: PipelineOption, cluster: Cluster, schedule: str,
+                   hw: HardwareProfile
+                   ) -> tuple[list[dict[int, ShardSpec]], list[Stage], list[tuple]]:
+    """Each stage's input specs (from its layers' plans), its Stage (devices, estimate) and
+    the moves into it (activations in, gradients back: shardplan.inter.transfer_cost, priced
+    where the stages sit; the DP priced them without knowing where their neighbours are)."""
     ranges = [(i, j) for i, j, _ in option.stages]
     shapes = [sh for _, _, sh in option.stages]
     positions = submesh_mod.assign_submeshes(shapes, cluster.num_hosts, cluster.per_host)
     B = tables.split.num_micro_batches
-    specs, stages = [], []
+    specs, stages, moves = [], [], []
     for q, ((i, j), sh, pos) in enumerate(zip(ranges, shapes, positions)):
         m = tables.shapes.index(sh)
         spec: dict[int, ShardSpec] = {}
@@ -154,14 +157,34 @@ def _stage_layouts(tables: Tables, option: PipelineOption, cluster: Cluster, sch
                 spec.setdefault(v, s)
         specs.append(spec)
         comp = sum(tables.costs[k][m].compute_s for k in range(i, j + 1))
-        comm = sum(tables.costs[k][m].comm_s for k in range(i, j + 1)) + tables.transfer_s[i][m]
+        devices = tuple(cluster.device_ids[p] for p in pos)
+        comm = sum(tables.costs[k][m].comm_s for k in range(i, j + 1))
+        if q > 0:
+            nbytes = tables.in_bytes[i] if tables.in_bytes else 0.0
+            pair = transfer_cost.boundary(nbytes, stages[-1].devices, stages[-1].submesh_shape,
+                                          devices, sh, hw)
+            moves.append((q, nbytes, *pair))
+            comm += sum(mv.seconds for mv in pair)
         state = sum(tables.costs[k][m].state_bytes for k in range(i, j + 1))
         act = sum(tables.costs[k][m].act_bytes for k in range(i, j + 1))
         in_flight = min(len(ranges) - q, B) if schedule == "1f1b" else B
         peak = state * tables.state_factor + in_flight * act
-        stages.append(Stage((i, j), tuple(sh), tuple(cluster.device_ids[p] for p in pos),
-                            Estimate(comp, comm, peak, state)))
-    return specs, stages
+        stages.append(Stage((i, j), tuple(sh), devices, Estimate(comp, comm, peak, state)))
+    return specs, stages, moves
+
+
+def priced(tables: Tables, option: PipelineOption, cluster: Cluster, hw: HardwareProfile,
+           schedule: str) -> PipelineOption:
+    """`option` with its step time from its stages where they sit: the DP's layer costs, the
+    moves between stages priced by shardplan.inter.transfer_cost, the update."""
+    if option.num_stages < 2:
+        return option
+    _, stages, _ = _stage_layouts(tables, option, cluster, schedule, hw)
+    t = [s.estimate.total_s for s in stages]
+    update = max(tables.update_s(hw, (i, j), tables.shapes.index(sh))
+                 for i, j, sh in option.stages)
+    B = tables.split.num_micro_batches
+    return dataclasses.replace(option, total_s=math.fsum(t) + (B - 1) * max(t) + update)
 
 
 def _step_estimate(option: PipelineOption, stages: Sequence[Stage], B: int) -> Estimate:
@@ -185,11 +208,12 @@ def _assemble(tables: Tables, option: PipelineOption, cluster: Cluster, hw: Hard
     ranges = [(i, j) for i, j, _ in option.stages]
     ios = stage_io.stage_ios(split, stage_io.merge_groups(tables.layers, ranges))
     B = split.num_micro_batches
-    specs, stages = _stage_layouts(tables, option, cluster, schedule)
+    specs, stages, moves = _stage_layouts(tables, option, cluster, schedule, hw)
     estimate = _step_estimate(option, stages, B)
     input_specs, output_specs = _io_specs(split, ios, specs)
     notes = _explain(option, alternatives, stages, cluster, hw, schedule, B,
                      estimate.bubble_fraction, intra_total)
+    notes[1 + len(stages):1 + len(stages)] = _move_notes(moves, hw, mesh)
     mesh_shape = (mesh if isinstance(mesh, MeshShape) else
                   MeshShape.of(mesh) if mesh is not None and not isinstance(mesh, int) else
                   MeshShape(STAGE_AXES, (cluster.num_hosts, cluster.per_host)))
@@ -201,6 +225,29 @@ def _assemble(tables: Tables, option: PipelineOption, cluster: Cluster, hw: Hard
         None if not np.isfinite(tables.memory_budget) else tables.memory_budget,
         f"stage DP over {len(tables.layers)} layers ({num_ilps} layer ILPs), {schedule}",
         time.perf_counter() - start, None if isinstance(mesh, (MeshShape, int)) else mesh)
+
+
+def _move_notes(moves, hw: HardwareProfile, mesh=None) -> list[str]:
+    """What the moves between stages cost, and over which link; whether the profile's hosts
+    are the processes of a multi-controller mesh."""
+    if not moves:
+        return []
+    lines = [(f"  moves between stages (collective programs, also across processes; "
+             f"{hw.devices_per_host} devices per host in profile {hw.name}):")]
+    devices = list(np.asarray(mesh.devices).flat) if hasattr(mesh, "devices") else []
+    processes = {getattr(d, "process_index", 0) for d in devices}
+    if len(processes) > 1 and transfer_cost.hosts_differ_from_processes(hw, devices):
+        lines.append(f"    (the mesh spans {len(processes)} processes whose devices are not "
+                     f"the profile's hosts of {hw.devices_per_host}: moves between processes "
+                     "may be priced over the intra-host link; give a profile whose "
+                     "devices_per_host is the devices per process)")
+    for q, nbytes, fwd, bwd in moves:
+        link = (f"inter-host link {fmt_bytes(hw.inter_host.bandwidth)}/s" if fwd.inter_host
+                else f"intra-host link {fmt_bytes(hw.intra_host.bandwidth)}/s")
+        lines.append(f"    stage {q - 1} -> {q}: {fmt_bytes(nbytes)} per micro-batch by "
+                     f"{fwd.program} over the {link}: {fmt_seconds(fwd.seconds)} forward, "
+                     f"{fmt_seconds(bwd.seconds)} back ({bwd.program})")
+    return lines
 
 
 def _io_specs(split: split_mod.SplitStep, ios, specs) -> tuple[tuple, tuple]:
@@ -355,4 +402,4 @@ def _options_of(split: split_mod.SplitStep, cluster: Cluster, tables_cache: Cost
             found.append(dataclasses.replace(free, label=(
                 f"{plan.num_stages} stage(s) chosen by the DP ({shapes_used}), "
                 f"{B} micro-batches")))
-    return tables, found
+    return tables, [priced(tables, c, cluster, hardware, options.schedule) for c in found]

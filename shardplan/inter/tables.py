@@ -5,7 +5,8 @@ layer's forward + backward graph of one micro-batch (cached by the layer's signa
 repeated blocks are planned once). A range of layers costs the sum of its layers (resharding
 between layers of a stage is not priced) plus receiving its input activations and sending
 their gradients back over the link between hosts when the cluster has several (where its
-neighbour sits is not known to the DP). Memory: parameters, their gradient accumulators and
+neighbour sits is not known to the DP; the chosen stages' moves are priced again where they
+sit, shardplan.inter.transfer_cost). Memory: parameters, their gradient accumulators and
 optimizer state as the layer plans lay them out, plus the residuals of one micro-batch
 spread over the submesh, times the micro-batches 1F1B keeps in flight.
 """
@@ -181,6 +182,8 @@ class Tables:
     act_factor: float
     memory_budget: float
     num_devices: int
+    in_bytes: tuple[float, ...] = ()
+    """[layer]: bytes of the activations crossing into the layer from the layers before it."""
 
     def problem(self, shapes: Sequence[int] | None = None, max_stages: int | None = None
                 ) -> stages_mod.StageProblem:
@@ -236,9 +239,10 @@ def build_tables(split: split_mod.SplitStep, layers, tables: CostTables, hw: Har
     cuts = cut_bytes(split.forward, split.body)
     starts = np.cumsum([0] + [len(layer) for layer in layers])[:-1]
     link = hw.inter_host if cluster.num_hosts > 1 else hw.intra_host
-    transfer = []
+    transfer, in_bytes = [], []
     for i, start in enumerate(starts):
         nbytes = float(cuts[start - 1]) if i > 0 else 0.0
+        in_bytes.append(nbytes)
         transfer.append(tuple(
             0.0 if i == 0 else 2.0 * (link.latency + nbytes / (a * b) / link.bandwidth)
             for a, b in all_shapes))
@@ -246,7 +250,7 @@ def build_tables(split: split_mod.SplitStep, layers, tables: CostTables, hw: Har
                   tuple(transfer), 2.0 + _optimizer_ratio(split),
                   float(split.num_micro_batches) if gpipe else 1.0,
                   math.inf if memory_budget is None else float(memory_budget),
-                  cluster.num_devices)
+                  cluster.num_devices, tuple(in_bytes))
 
 
 def _optimizer_ratio(split: split_mod.SplitStep) -> float:
