@@ -14,12 +14,18 @@ matches `compiled.cost_analysis()['bytes accessed']` instruction by instruction.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from shardplan.analysis import hlo_parse
 
 CONTRACTIONS = frozenset({"dot", "convolution"})
 _TRIPS = re.compile(r'known_trip_count"?\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+@functools.lru_cache(maxsize=4)
+def parse_module_cached(text: str) -> hlo_parse.Module:
+    return hlo_parse.parse_module(text)
 
 
 def _operand_names(operands: str) -> list[str]:
@@ -30,7 +36,7 @@ def contraction_bytes(text: str) -> float:
     """Bytes per device read and written by the program's contractions (top-level dots and
     convolutions and the fusions that hold one), loop bodies times their known trip counts
     (once when unknown)."""
-    module = hlo_parse.parse_module(text)
+    module = parse_module_cached(text)
     comps = module.computations
     holds = {name: any(i.opcode in CONTRACTIONS for i in instrs) for name, instrs in comps.items()}
 
@@ -60,3 +66,17 @@ def contraction_bytes(text: str) -> float:
         return total
 
     return walk(module.entry, 1, frozenset({module.entry}))
+
+
+def io_bytes(text: str) -> float:
+    """Bytes per device the step reads as its arguments and writes as its results: the entry
+    computation's parameters and its root. Every backend pays them whatever it fuses (the
+    optimizer's update reads the state and writes it back), so the compute time charges
+    them with the contractions' traffic."""
+    module = parse_module_cached(text)
+    entry = module.computations.get(module.entry, [])
+    if not entry:
+        return 0.0
+    read = sum(hlo_parse.nbytes(hlo_parse.arrays(i.shape)) for i in entry
+               if i.opcode == "parameter")
+    return float(read + hlo_parse.nbytes(hlo_parse.arrays(entry[-1].shape)))

@@ -59,12 +59,11 @@ class AlphaBetaCost:
     def node_time_key(self, graph: Graph, node: Node) -> tuple:
         """What node_time reads of a node besides its strategy: two nodes with equal keys cost
         the same under the same strategy (the same operator in two layers)."""
-        fused = node.primitive in FUSED
-        edges = self._fusion_edges(graph) if fused else ()
-        values = tuple((graph.values[v].shape, graph.values[v].dtype, graph.values[v].itemsize,
-                        not fused or v in edges) for v in (*node.inputs, *node.outputs))
+        values = tuple((graph.values[v].shape, graph.values[v].dtype, graph.values[v].itemsize)
+                       for v in (*node.inputs, *node.outputs))
         out_dtype = graph.values[node.outputs[0]].dtype if node.outputs else None
-        return node.primitive in primitives.PSEUDO, fused, node.trips, out_dtype, values
+        return (node.primitive in primitives.PSEUDO, node.primitive in CONTRACTIONS, node.trips,
+                out_dtype, values)
 
     def _node_time_once(self, graph: Graph, node: Node, strategy: Strategy) -> tuple[float, float]:
         out_dtype = graph.values[node.outputs[0]].dtype if node.outputs else "float32"

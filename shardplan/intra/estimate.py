@@ -126,6 +126,12 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
         tie = g.output_ties[j]
         dst = value_specs[g.inputs[tie]] if tie is not None else value_specs[v].without_partial()
         route(g.values[v], dst, f"output {j}")
+    for i, v in enumerate(g.inputs):
+        if v in value_specs:
+            compute += problem.input_io_time(i, value_specs[v])
+    for j, v in enumerate(g.outputs):
+        if g.output_ties[j] is None and v in value_specs:
+            compute += problem.output_io_time(g.values[v], value_specs[v].without_partial())
     state = sum(cost.value_bytes(g.values[v], value_specs[v])
                 for v, r in zip(g.inputs, g.input_roles) if r == Role.STATE)
     comm -= combined_latency_saving(_levelled(g, node_reds, edge_reds), cost)
