@@ -2,7 +2,8 @@
 8 and 2x4 devices, under the a100 and cpu profiles, the plan's predicted communication bytes
 are within 5% of the compiled program's and its predicted step time within 10% of the
 compiled program priced by the same profile (analysis/price.py). Compute on both sides is
-flops / peak + contraction bytes / memory bandwidth (cost/model.py, analysis/hlo_bytes.py);
+flops / peak + (contraction bytes + the step's argument and result bytes) / memory bandwidth
+(cost/model.py, analysis/hlo_bytes.py);
 the estimate models XLA's all-reduce combiner (intra/estimate.py)."""
 
 import jax
@@ -50,3 +51,18 @@ def test_contraction_bytes_count_a_dot_as_cost_analysis_does(devices):
     got = hlo_bytes.contraction_bytes(compiled.as_text())
     assert got == 4 * (256 * 512 + 512 * 128 + 256 * 128)
     assert got < compiled.cost_analysis()["bytes accessed"]  # the tanh's traffic is not in it
+
+
+def test_io_bytes_are_the_steps_arguments_and_results(devices):
+    """The step's I/O: its arguments read and results written, per device, as
+    compiled.memory_analysis() sizes them."""
+    from shardplan.analysis import hlo_bytes
+
+    x = jax.numpy.ones((256, 512))
+    w = jax.numpy.ones((512, 128))
+    compiled = jax.jit(lambda x, w: (x @ w, w * 2)).lower(x, w).compile()
+    got = hlo_bytes.io_bytes(compiled.as_text())
+    assert got == 4 * (256 * 512 + 512 * 128 + 256 * 128 + 512 * 128)
+    mem = compiled.memory_analysis()
+    # (memory_analysis() adds the result tuple's table of pointers)
+    assert got == pytest.approx(mem.argument_size_in_bytes + mem.output_size_in_bytes, abs=64)
