@@ -82,7 +82,7 @@ def test_collective_permute_pays_one_step_of_its_link(mesh):
         20e-6 + nbytes / 10e9, rel=1e-9)
 
 
-def test_compute_is_flops_over_the_dtype_peak(mesh):
+def test_compute_is_flops_over_the_dtype_peak_plus_contraction_and_io_traffic(mesh):
     w = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P()))
     x = jax.ShapeDtypeStruct((64, 256), jnp.float32,
                              sharding=NamedSharding(mesh, P(("data", "model"))))
@@ -90,10 +90,17 @@ def test_compute_is_flops_over_the_dtype_peak(mesh):
     stats, priced = _priced(compiled, mesh)
     flops = 2 * (64 // 8) * 256 * 512
     assert stats.flops == pytest.approx(flops, rel=0.01)
-    assert priced.compute_s == pytest.approx(stats.flops / 1e12)
+    # the dot reads x's and w's shards and writes its result: the memory-bound term
+    moved = 4 * ((64 // 8) * 256 + 256 * 512 + (64 // 8) * 512)
+    assert stats.contraction_bytes == moved
+    # the step reads its arguments and writes its result: x's and w's shards in, the
+    # result's shard out (the same bytes here as the dot's)
+    assert stats.io_bytes == moved
+    memory = (moved + stats.io_bytes) / HW.mem_bandwidth
+    assert priced.compute_s == pytest.approx(stats.flops / 1e12 + memory)
     assert priced.comm_s == 0.0 and priced.per_kind == {}
     _, half = _priced(compiled, mesh, dtype="bfloat16")
-    assert half.compute_s == pytest.approx(stats.flops / 2e12)
+    assert half.compute_s == pytest.approx(stats.flops / 2e12 + memory)
     assert priced.total_s == priced.compute_s
     assert priced.peak_bytes == stats.peak_bytes > 0
 

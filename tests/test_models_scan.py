@@ -164,15 +164,18 @@ def _layer_specs(plan, layer_key: str, stacked: bool) -> dict[str, P]:
 
 
 # Measured (tiny GPT, 4 layers, no dropout, cpu profile, 2x4): both plan Megatron on `model`
-# for every layer (qkv/fc_in P(None, 'model'), out/fc_out P('model')) with the Adam moments
-# of qkv/fc_in/fc_out also split on `data`; compiled, the unrolled step sends 1,357,316 bytes
-# and the scanned one 1,442,308 (1.06x). They used to differ (ZeRO + Megatron unrolled, 1.79
-# MB; Megatron scanned, 1.47 MB) because the scan's pseudo-nodes price what the unrolled graph
-# priced otherwise: a loop_stack reduces a layer's partial weight gradient once, where the
-# unrolled optimizer's readers (global norm, moments) each paid the all-reduce (fanouts
-# "layers" now gives them one fan-out), and a stacked value was resharded once for all layers
-# (one latency) where the unrolled layers pay one each (Problem.reshard_time now prices a
-# stacked value a latency per layer).
+# for every layer with the Adam moments also split on `data` (ZeRO), and compiled, both send
+# 1,500,420 bytes. They used to differ (ZeRO + Megatron unrolled, 1.79 MB; Megatron scanned,
+# 1.47 MB) because the scan's pseudo-nodes price what the unrolled graph priced otherwise: a
+# loop_stack reduces a layer's partial weight gradient once, where the unrolled optimizer's
+# readers (global norm, moments) each paid the all-reduce (fanouts "layers" now gives them one
+# fan-out), and a stacked value was resharded once for all layers (one latency) where the
+# unrolled layers pay one each (Problem.reshard_time now prices a stacked value a latency per
+# layer). And again when the compute time stopped charging elementwise traffic: splitting the
+# moments on `data` then saved nothing and cost all-gathers, a near tie that the scanned graph
+# broke one way (qkv moments split, 1,406,212 bytes) and the unrolled one the other
+# (1,224,196); the step's I/O (the optimizer reads and writes the state, cost/model.py) is
+# what the split saves, and with it charged both split every moment.
 
 
 def test_scanned_and_unrolled_gpt_plan_the_same_specs_per_layer():

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from shardplan.analysis import hlo_flops, hlo_parse
+from shardplan.analysis import hlo_bytes, hlo_flops, hlo_parse
 from shardplan.analysis.hlo_collectives import (
     KINDS,
     CollectiveOp,
@@ -52,6 +52,12 @@ class ProgramStats:
     num_devices: int = 1
     loop_flops: float = 0.0
     """Flops of the loops' iterations beyond the first, added to cost_analysis()'s."""
+    contraction_bytes: float = 0.0
+    """Bytes the dots and convolutions read and write per device (analysis/hlo_bytes.py):
+    the memory-bound term of the compute time analysis/price.py charges."""
+    io_bytes: float = 0.0
+    """Bytes per device of the step's arguments read and results written
+    (analysis/hlo_bytes.py io_bytes): charged with the contraction bytes."""
 
     def formed(self) -> ProgramStats:
         """The program as a GPU or TPU compiler would run its collectives: every
@@ -140,4 +146,5 @@ def analyze(compiled: Any) -> ProgramStats:
         peak_bytes=arg + out + temp - alias,
         generated_code_bytes=field("generated_code_size_in_bytes"),
         xla_peak_bytes=field("peak_memory_in_bytes"), num_devices=n, loop_flops=extra,
+        contraction_bytes=hlo_bytes.contraction_bytes(text), io_bytes=hlo_bytes.io_bytes(text),
     )

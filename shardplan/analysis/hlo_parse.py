@@ -43,6 +43,9 @@ class Module:
 _INSTR_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=(]+)\s*=\s*")
 
 
+_OPERAND_COMMENT = re.compile(r"/\*[^*]*\*/")
+
+
 _COMP_HEAD = re.compile(r"^\s*(ENTRY\s+)?%?([^\s=(]+)\s*\(.*\{\s*$")
 
 
@@ -109,7 +112,9 @@ def _parse_instr(line: str) -> Instr | None:
     if not m2:
         return None
     k = _close(line, m2.end() - 1)
-    operands = line[m2.end():k - 1]
+    # XLA marks every fifth operand with a comment (`/*index=5*/%x`): dropped, so that an
+    # operand's last word is its name (a partition-id read at index 5 went unseen)
+    operands = _OPERAND_COMMENT.sub("", line[m2.end():k - 1])
     return Instr(m.group(1), shape, m2.group(1), operands, _parse_attrs(line[k:].lstrip(", ")))
 
 

@@ -3,9 +3,12 @@
 The planner's estimate is its own cost model; a hand-written baseline has none. To compare
 them on the same footing, both are compiled by XLA (on CPU devices standing in for the
 cluster) and the compiled programs are priced here by one profile: compute is the per-device
-flops of `compiled.cost_analysis()` at the profile's peak for the dtype, communication is the
-alpha-beta time of every collective in the partitioned HLO over the link of the mesh axes its
-replica groups span (`HardwareProfile.axis_links`), memory is `compiled.memory_analysis()`.
+flops of `compiled.cost_analysis()` at the profile's peak for the dtype plus the bytes its
+dots and convolutions read and write and the bytes of its arguments and results
+(analysis/hlo_bytes.py) at the profile's memory bandwidth, as the cost model prices a plan
+(cost/model.py AlphaBetaCost), communication is the alpha-beta time of every collective in
+the partitioned HLO over the link of the mesh axes its replica groups span
+(`HardwareProfile.axis_links`), memory is `compiled.memory_analysis()`.
 
 Two things XLA:CPU does differently from a GPU or TPU compiler would make CPU-compiled
 programs look dearer than they run on the accelerator, and not alike for every plan:
@@ -49,7 +52,8 @@ class PricedStep:
     """Per-device cost of one step of a compiled program under a hardware profile."""
 
     compute_s: float
-    """flops per device / the profile's peak for the dtype."""
+    """flops per device / the profile's peak for the dtype + (contraction bytes + argument
+    and result bytes) per device / the profile's memory bandwidth."""
     comm_s: float
     """Alpha-beta time of every collective, run one after another (no overlap)."""
     total_s: float
@@ -111,7 +115,8 @@ def price(stats: hlo.ProgramStats, mesh_shape: MeshShape, device_ids_grid: Any,
         acc[1].append(op.bytes_sent * op.count)
         acc[2].append(seconds * op.count)
     kinds = {k: KindCost(n, math.fsum(b), math.fsum(s)) for k, (n, b, s) in sorted(per_kind.items())}
-    compute = float(stats.flops) / hw.flops_for(dtype)
+    compute = (float(stats.flops) / hw.flops_for(dtype)
+               + float(stats.contraction_bytes + stats.io_bytes) / hw.mem_bandwidth)
     comm = math.fsum(k.seconds for k in kinds.values())
     return PricedStep(
         compute_s=compute, comm_s=comm, total_s=compute + comm,

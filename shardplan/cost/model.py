@@ -1,11 +1,10 @@
-"""The cost model the ILP minimises: compute (a fusion-aware roofline of flops and memory
+"""The cost model the ILP minimises: compute (flops at peak plus the contractions' memory
 traffic per device), communication (alpha-beta per mesh axis), resharding between specs, and
 bytes per device."""
 
 from __future__ import annotations
 
 import functools
-import weakref
 
 from shardplan.cost import collectives, ring
 from shardplan.cost.hardware import HardwareProfile
@@ -14,29 +13,40 @@ from shardplan.ir.graph import Graph, Node, Value
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
-# Ops XLA fuses into loop or input fusions with their neighbours: their intermediates are
-# never written to memory, only what the fusion reads from outside and what it leaves behind.
+# Ops XLA fuses into loop or input fusions with their neighbours (intra/memory.py: their
+# intermediates are never live in memory on their own).
 FUSED = frozenset(name for name, info in primitives.PRIMITIVES.items() if info.fusible)
+# The ops whose memory traffic the compute time charges: what analysis/hlo_bytes.py counts
+# in the compiled program (dots and convolutions, alone or in the fusions that hold them).
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 class AlphaBetaCost:
-    """Compute as a roofline per node over flops and memory traffic, collectives by the ring
-    model over each mesh axis's link.
+    """Compute as flops at the profile's peak plus the memory traffic of the contractions at
+    its memory bandwidth, collectives by the ring model over each mesh axis's link.
 
-    Traffic is fusion-aware: a dot, convolution, gather, scatter, sort... reads its operands
-    and writes its results; an op XLA fuses (FUSED) only reads and writes what crosses the
-    fusion's edge (the step's inputs and outputs, what non-fused ops produce and read).
-    Charging every jaxpr node its own operand and result traffic counted 8x the compiled
-    step's compute on GPT-2 1.5B (541 ms against 68.7 ms for its compiled flops on an A100
-    profile) and made the planner trade communication for elementwise traffic that XLA
-    never does."""
+    The compute time is the one analysis/price.py gives the compiled program: per device,
+    flops / peak + (contraction bytes + the step's I/O bytes) / mem_bandwidth, where
+    contraction bytes are what every dot and convolution reads and writes and I/O bytes what
+    the step reads as arguments and writes as results (analysis/hlo_bytes.py; the I/O is
+    charged on the input members and untied outputs, intra/problem.py input_io_time). Without
+    the I/O, a replicated optimizer state updated on every device cost nothing beyond its
+    flops, and Alpa's wide MLP (tests/test_alpa_mlp.py) planned everything replicated (40 us)
+    over Megatron (72 us with its 5 all-reduces); with it, replicated is 115 us and Megatron
+    91 us, as the compiled programs price. A sum of the two terms
+    rather than a roofline max: per op it is within 2x of the roofline, and close to it for
+    the ops that dominate (a large dot is flop-bound, an elementwise op has no flops to
+    speak of). Elementwise and reduction traffic is left out on both sides: how XLA fuses
+    them differs between backends, and the planner's graph cannot see those boundaries
+    (charging every fusible run of ops one fusion counted 16 GB against XLA:CPU's 44 GB on
+    GPT-2 124M; dots alone agree to the byte). The model's flops match cost_analysis()'s
+    (GPT-2 124M on 8 devices: 8.905e11 against 8.93e11)."""
 
     def __init__(self, mesh: MeshShape, hardware: HardwareProfile, device_order=None):
         self.mesh = mesh
         self.hardware = hardware
         self.links = hardware.axis_links(mesh, device_order)
         self._reshard = functools.lru_cache(maxsize=None)(self._reshard_uncached)
-        self._edges: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _peak(self, dtype: str) -> float:
         try:
@@ -55,40 +65,27 @@ class AlphaBetaCost:
     def node_time_key(self, graph: Graph, node: Node) -> tuple:
         """What node_time reads of a node besides its strategy: two nodes with equal keys cost
         the same under the same strategy (the same operator in two layers)."""
-        fused = node.primitive in FUSED
-        edges = self._fusion_edges(graph) if fused else ()
-        values = tuple((graph.values[v].shape, graph.values[v].dtype, graph.values[v].itemsize,
-                        not fused or v in edges) for v in (*node.inputs, *node.outputs))
+        values = tuple((graph.values[v].shape, graph.values[v].dtype, graph.values[v].itemsize)
+                       for v in (*node.inputs, *node.outputs))
         out_dtype = graph.values[node.outputs[0]].dtype if node.outputs else None
-        return node.primitive in primitives.PSEUDO, fused, node.trips, out_dtype, values
+        return (node.primitive in primitives.PSEUDO, node.primitive in CONTRACTIONS, node.trips,
+                out_dtype, values)
 
     def _node_time_once(self, graph: Graph, node: Node, strategy: Strategy) -> tuple[float, float]:
         out_dtype = graph.values[node.outputs[0]].dtype if node.outputs else "float32"
         compute = strategy.flops / self._peak(out_dtype)
-        fused = node.primitive in FUSED
-        edges = self._fusion_edges(graph) if fused else None
-        traffic = 0.0
-        for vid, spec in zip((*node.inputs, *node.outputs), (*strategy.in_specs, *strategy.out_specs)):
-            if not fused or vid in edges:
-                traffic += self.value_bytes(graph.values[vid], spec)
-        compute = max(compute, traffic / self.hardware.mem_bandwidth)
+        compute += self.node_traffic(graph, node, strategy) / self.hardware.mem_bandwidth
         comm = collectives.comms_time(strategy.comms, self.mesh, self.links)
         return compute, comm
 
-    def _fusion_edges(self, graph: Graph) -> frozenset[int]:
-        """Values a fusion reads from or writes to memory: the step's inputs and outputs, and
-        what a non-fused op (a dot, a gather...) produces or reads."""
-        edges = self._edges.get(graph)
-        if edges is None:
-            found = set(graph.boundary_values())
-            for n in graph.nodes:
-                # (a loop's entry or exit is fusible: counting it an edge charged a scanned
-                # GPT 1.3x the compute of the unrolled one)
-                if n.primitive not in FUSED:
-                    found.update(n.inputs)
-                    found.update(n.outputs)
-            edges = self._edges[graph] = frozenset(found)
-        return edges
+    def node_traffic(self, graph: Graph, node: Node, strategy: Strategy) -> float:
+        """Bytes per device one run of the node reads from and writes to memory in the
+        compute time's memory-bound term: a contraction's (CONTRACTIONS) operands and
+        results, nothing for other ops (see the class docstring)."""
+        if node.primitive not in CONTRACTIONS:
+            return 0.0
+        return sum(self.value_bytes(graph.values[v], spec) for v, spec in
+                   zip((*node.inputs, *node.outputs), (*strategy.in_specs, *strategy.out_specs)))
 
     def _reshard_uncached(self, shape, itemsize, src: ShardSpec, dst: ShardSpec) -> float:
         return collectives.reshard_time(

@@ -182,17 +182,16 @@ class Problem:
 
     def node_times(self, m: int, k: int) -> tuple[float, float]:
         if m < self.num_inputs:
-            # A tie-break, not a cost (the ops that read an input pay its traffic): a
-            # thousandth of the time to read it once, so that where nothing else decides,
-            # smaller shards (the batch split, the state sharded) win.
-            # A batch input split off its leading (batch) dimension pays the read once more:
-            # where the two tie, the batch split the user expects wins.
+            # The step reads its input and writes the outputs tied to it (input_io_time),
+            # plus a tie-break, not a cost: a batch input split off its leading (batch)
+            # dimension pays a thousandth of its read once more, so that where the two tie,
+            # the batch split the user expects wins.
             value = self.graph.values[self.graph.inputs[m]]
             spec = self.strategies[m][k].out_specs[0]
             read = self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth
             off_batch = (self.graph.input_roles[m] == Role.BATCH and value.shape
                          and not spec.dims[0] and not spec.is_replicated())
-            return 1e-3 * read * (2.0 if off_batch else 1.0), 0.0
+            return self.input_io_time(m, spec) + (1e-3 * read if off_batch else 0.0), 0.0
         if m >= self.num_real:
             return 0.0, 0.0
         key = (m, k)
@@ -208,6 +207,28 @@ class Problem:
                                             strategy)
             self._node_times[key] = self._node_times[shared][0]
         return self._node_times[key]
+
+    def input_io_time(self, m: int, spec: ShardSpec) -> float:
+        """Seconds the step spends reading input m and writing the outputs tied to it (the
+        state it updates) per device, at the memory bandwidth: what every backend pays
+        whatever it fuses, and what the pricer charges the compiled program's arguments and
+        results (analysis/hlo_bytes.py io_bytes). An input no op reads is not read (jit
+        drops it)."""
+        if "_io_counts" not in self.__dict__:
+            g = self.graph
+            used = {v for n in g.nodes for v in n.inputs} | set(g.outputs)
+            counts = [float(v in used) for v in g.inputs]
+            for tie in g.output_ties:
+                if tie is not None:
+                    counts[tie] += 1.0
+            self.__dict__["_io_counts"] = counts
+        times = self.__dict__["_io_counts"][m]
+        value = self.graph.values[self.graph.inputs[m]]
+        return times * self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth
+
+    def output_io_time(self, value: Value, spec: ShardSpec) -> float:
+        """Seconds to write an output not tied to an input (the loss, metrics) per device."""
+        return self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth
 
     def trips(self, m: int) -> float:
         """Times member m runs per step: inputs once, nodes per their loops, a fan-out as the
@@ -348,7 +369,8 @@ class Problem:
             else:
                 rp = self.groups.root[p]
                 unary[rp] += np.array([
-                    self.cost.reshard_time(value, s, s.without_partial()) if s.partial else 0.0
+                    (self.cost.reshard_time(value, s, s.without_partial()) if s.partial else 0.0)
+                    + self.output_io_time(value, s.without_partial())
                     for s in (self.out_spec(p, out_idx, k) for k in range(len(self.strategies[rp])))])
         return unary, edges
 
