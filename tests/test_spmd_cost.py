@@ -35,9 +35,9 @@ def test_the_estimate_is_the_compiled_program_within_10_percent(schedule):
     assert plan.estimate.comm_s == pytest.approx(priced.comm_s, rel=0.1)
     assert priced.per_kind["collective-permute"].count == 2 * (
         M + 3 if schedule == "gpipe" else M + 6)
-    # the step priced as price.py prices it: flops at the profile's peak plus collectives
-    total = cost.flops / HW.flops_for("float32") + plan.estimate.comm_s
-    assert total == pytest.approx(priced.total_s, rel=0.1)
+    # the step as price.py prices it (flops at the profile's peak, the contractions' and the
+    # step's I/O traffic at its memory bandwidth, the collectives)
+    assert plan.estimate.total_s == pytest.approx(priced.total_s, rel=0.1)
     # the stages' estimate is not the intra-op plan's scaled: memory is divided by the stages
     assert plan.estimate.state_bytes < choice.intra.estimate.state_bytes
     assert any(n.startswith("estimate: ") and "ticks of" in n for n in plan.notes), plan.notes
@@ -79,8 +79,10 @@ def test_a_stage_whose_plan_has_collectives_is_priced_within_10_percent(schedule
     _, priced = measure.price_spmd(step, args, plan, mesh, hw, "float32")
     S, per_stage = stages, L // stages
     ticks = M + S - 1 if schedule == "gpipe" else M + 2 * S - 2
-    assert priced.per_kind["all-gather"].count == ticks * per_stage * (
-        1 if schedule == "gpipe" else 2)
+    # GPipe gathers once per layer and tick; 1F1B also where its backward's recomputed
+    # forward does not read the gathered input its forward kept (as the stage's plan says)
+    gathers = priced.per_kind["all-gather"].count
+    assert gathers == ticks * per_stage if schedule == "gpipe" else gathers in (
+        ticks * per_stage, 2 * ticks * per_stage)
     assert plan.estimate.comm_s == pytest.approx(priced.comm_s, rel=0.1)
-    total = choice.spmd.flops / hw.flops_for("float32") + plan.estimate.comm_s
-    assert total == pytest.approx(priced.total_s, rel=0.1)
+    assert plan.estimate.total_s == pytest.approx(priced.total_s, rel=0.1)

@@ -37,6 +37,7 @@ few).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -331,6 +332,14 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
         full.graph.values[v].nbytes / s.num_shards(sub)
         for v, s in zip(full.graph.inputs, full.intra.input_specs)
         if full.graph.values[v].shape in stacked)
+    # the step reads its state and writes it back (the compute's I/O term, intra.problem
+    # input_io_time): a stage holds 1/S of the stacked layers' state
+    ties = collections.Counter(t for t in full.graph.output_ties if t is not None)
+    stacked_io = math.fsum(
+        (1 + ties[m]) * full.graph.values[v].nbytes / s.num_shards(sub)
+        for m, (v, s) in enumerate(zip(full.graph.inputs, full.intra.input_specs))
+        if full.graph.values[v].shape in stacked) / hw.mem_bandwidth
+    rest_c = max(rest_c - stacked_io * (1 - 1 / S), 0.0)
     if schedule == "gpipe":  # a stage keeps its layers' residuals of every tick
         kept = small.resid_bytes * ticks / S
     else:  # the inputs of at most 2S - 1 micro-batches, one tick's residuals
