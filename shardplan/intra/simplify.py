@@ -26,17 +26,23 @@ class Groups:
 
 
 def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: dict[int, tuple[int, int]],
-                    node_cost) -> Groups:
+                    node_cost, cost_key=None, work=None) -> Groups:
     """A node follows its largest tensor operand (as in Alpa) when it performs no collective
     in any strategy and can take every spec that operand's group can produce; it then runs in
     that spec at its cheapest matching strategy, and its other operands are resharded to it.
-    `producer` maps value -> (member, output idx); `node_cost(member, k)` prices a strategy."""
+    `producer` maps value -> (member, output idx); `node_cost(member, k)` prices a strategy;
+    `cost_key(member)`, where given, is equal for members that cost the same under each
+    strategy of a shared list (the same operator in tied layers): their mapping is made once
+    (`work` counts the mappings made)."""
     root = list(range(len(strategies)))
     pick: list[tuple[int, ...]] = [tuple(range(len(s))) for s in strategies]
     num_inputs = len(graph.inputs)
     # (strategy list, operand, spec) -> the strategies that read the operand in that spec:
     # nodes of repeated layers share their strategy lists.
     reading: dict[tuple[int, int, object], list[int]] = {}
+    # (follower's list and cost, operand, producer's list and picks, output) -> its picks
+    mappings: dict[tuple, tuple[int, ...] | None] = {}
+    no_comms: dict[int, bool] = {}
     for node in graph.nodes:
         m = num_inputs + node.id
         if primitives.info(node.primitive).leader or len(node.outputs) != 1:
@@ -44,28 +50,44 @@ def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: di
         tensor_inputs = [(i, v) for i, v in enumerate(node.inputs)
                          if not graph.values[v].is_literal and graph.values[v].const is None
                          and graph.values[v].ndim > 0 and v in producer]
-        if len(tensor_inputs) != 1 or any(s.comms for s in strategies[m]):
+        if len(tensor_inputs) != 1:
+            continue
+        if id(strategies[m]) not in no_comms:
+            no_comms[id(strategies[m])] = not any(s.comms for s in strategies[m])
+        if not no_comms[id(strategies[m])]:
             continue
         i, v = max(tensor_inputs, key=lambda iv: (graph.values[iv[1]].nbytes, -iv[0]))
         p, out_idx = producer[v]
         r = root[p]
+        key = None
+        if cost_key is not None:
+            key = (id(strategies[m]), cost_key(m), i, id(strategies[p]), pick[p], out_idx)
+            if key in mappings:
+                if mappings[key] is not None:
+                    root[m], pick[m] = r, mappings[key]
+                continue
+        if work is not None:
+            work["follower mappings"] += 1
         mapping = []
         for k in range(len(strategies[r])):
             spec = strategies[p][pick[p][k]].out_specs[out_idx]
-            key = (id(strategies[m]), i, spec)
-            if key not in reading:
-                reading[key] = [l for l, s in enumerate(strategies[m]) if s.in_specs[i] == spec]
-            matches = reading[key]
+            rkey = (id(strategies[m]), i, spec)
+            if rkey not in reading:
+                reading[rkey] = [l for l, s in enumerate(strategies[m]) if s.in_specs[i] == spec]
+            matches = reading[rkey]
             # A follower's layout must follow from its operand's: where several outputs are
             # possible (a broadcast may split its new dims), the choice is left to the ILP.
             if not matches:
+                mapping = None
                 break
             # Cheapest, then the one whose other operands share the followed spec (no reshard).
             mapping.append(min(matches, key=lambda l: (
                 node_cost(m, l), sum(x != spec for x in strategies[m][l].in_specs), l)))
-        else:
+        if mapping is not None:
             root[m] = r
             pick[m] = tuple(mapping)
+        if key is not None:
+            mappings[key] = pick[m] if mapping is not None else None
     return Groups(tuple(root), tuple(pick))
 
 
