@@ -155,6 +155,7 @@ class Problem:
                 counts[v] = counts.get(v, 0) + 1
         for v in g.outputs:
             counts[v] = counts.get(v, 0) + 1
+        lists: dict[tuple[ShardSpec, ...], list[Strategy]] = {}
         for v in sorted(readers):
             if counts.get(v, 0) < 2:
                 continue
@@ -167,7 +168,10 @@ class Problem:
             specs = made | readers[v]
             ordered = sorted(specs, key=lambda s: (len(s.used_axes()), str(s)))
             self.source[v] = (len(self.strategies), 0)
-            self.strategies.append([Strategy("fanout", (s,), (s,), 0.0) for s in ordered])
+            # fan-outs of the same layouts (each layer's) share one list
+            if tuple(ordered) not in lists:
+                lists[tuple(ordered)] = [Strategy("fanout", (s,), (s,), 0.0) for s in ordered]
+            self.strategies.append(lists[tuple(ordered)])
             self.fanout_of.append(v)
 
     def _names(self) -> list[str]:
