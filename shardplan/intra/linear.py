@@ -68,18 +68,19 @@ def _sparse(inp: SolverInput) -> tuple[_Sparse, list[np.ndarray]]:
     for pair in cpsat.pairs(inp):
         m = pair.cost
         ka, kb = m.shape
-        finite = np.isfinite(m)
-        e = model.variables(np.zeros(m.size), finite.ravel(),
-                            (np.where(finite, m, 0.0) * unit).ravel()).reshape(ka, kb)
+        # A variable per finite pair only: an infinite one is a pair no choice may take (as a
+        # variable fixed at 0 it still cost HiGHS's LP a column: 13% of a GPT layer's).
+        fr, fc = np.nonzero(np.isfinite(m))
+        e = model.variables(np.zeros(len(fr)), np.ones(len(fr)), m[fr, fc] * unit)
         # Each group of the pair's rows (columns) sums to its node's choices in the group.
         r = model.rows(np.zeros(ka), np.zeros(ka))
-        model.terms(np.repeat(r, kb), e.ravel(), 1.0)
+        model.terms(r[fr], e, 1.0)
         model.terms(r[pair.rows], x[pair.a], -1.0)
         r = model.rows(np.zeros(kb), np.zeros(kb))
-        model.terms(np.tile(r, ka), e.ravel(), 1.0)
+        model.terms(r[fc], e, 1.0)
         model.terms(r[pair.cols], x[pair.b], -1.0)
         for j, size in pair.copies:
-            copy_terms.setdefault(j, []).append((e.ravel(), size.ravel()))
+            copy_terms.setdefault(j, []).append((e, size[fr, fc]))
     if inp.memory_budget is not None and (inp.memory_rows or inp.memory_base):
         _sparse_memory(model, inp, x, copy_terms)
     return model, x
