@@ -12,7 +12,7 @@ import numpy as np
 
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra import ilp
-from shardplan.intra.simplify import Groups, merge_followers, tie_layers
+from shardplan.intra.simplify import Groups, fanout_members, merge_followers, tie_layers
 from shardplan.ir.graph import Graph, Role, Value
 from shardplan.options import DEFAULTS
 from shardplan.strategies import registry
@@ -107,7 +107,12 @@ class Problem:
         if fanouts == "auto":
             fanouts = "partial" if len(mesh.useful_axes()) == 1 else "layers"
         if fanouts != "none":
-            self._add_fanouts(partial_only=fanouts != "all", across_layers=fanouts == "layers")
+            for v, strategies in fanout_members(graph, self.strategies, self.producer,
+                                                partial_only=fanouts != "all",
+                                                across_layers=fanouts == "layers"):
+                self.source[v] = (len(self.strategies), 0)
+                self.strategies.append(strategies)
+                self.fanout_of.append(v)
         self._node_times: dict[tuple, tuple] = {}
         self._time_keys: dict[int, tuple] = {}
         if options.merge_followers:
@@ -123,56 +128,6 @@ class Problem:
             self.rep = {r: r for r in self.roots}
         self.reps = sorted(set(self.rep.values()))
         self.index = {r: self.reps.index(self.rep[r]) for r in self.roots}
-
-    def _add_fanouts(self, partial_only: bool, across_layers: bool = False) -> None:
-        """A value read by several consumers gets a fan-out member: the layout it is resharded
-        to once (XLA reshards a value once for all consumers that want the same layout), from
-        which each consumer reads. Without it, every consumer would pay the same collective.
-        `across_layers`: only values read outside every named scope (by the optimizer's update)
-        as well as inside one."""
-        g, n_in = self.graph, self.num_inputs
-        readers: dict[int, set[ShardSpec]] = {}
-        outside: set[int] = set()
-        # (strategy list, operand) -> the specs its strategies read: tied layers share lists
-        read: dict[tuple[int, int], frozenset[ShardSpec]] = {}
-        for node in g.nodes:
-            for i, v in enumerate(node.inputs):
-                if is_tensor(g.values[v]) and g.values[v].ndim > 0 and v in self.producer:
-                    strategies = self.strategies[n_in + node.id]
-                    if (id(strategies), i) not in read:
-                        read[(id(strategies), i)] = frozenset(s.in_specs[i] for s in strategies)
-                    readers.setdefault(v, set()).update(read[(id(strategies), i)])
-                    p = self.producer[v][0]
-                    if not node.name and p >= n_in and g.nodes[p - n_in].name:
-                        outside.add(v)
-        for j, v in enumerate(g.outputs):
-            tie = g.output_ties[j]
-            if tie is not None and v in readers:
-                readers[v].update(s.out_specs[0] for s in self.strategies[tie])
-        counts: dict[int, int] = {}
-        for node in g.nodes:
-            for v in set(node.inputs):
-                counts[v] = counts.get(v, 0) + 1
-        for v in g.outputs:
-            counts[v] = counts.get(v, 0) + 1
-        lists: dict[tuple[ShardSpec, ...], list[Strategy]] = {}
-        for v in sorted(readers):
-            if counts.get(v, 0) < 2:
-                continue
-            p, out_idx = self.producer[v]
-            made = {s.out_specs[out_idx] for s in self.strategies[p]}
-            if partial_only and not any(s.partial for s in made):
-                continue
-            if across_layers and v not in outside:
-                continue
-            specs = made | readers[v]
-            ordered = sorted(specs, key=lambda s: (len(s.used_axes()), str(s)))
-            self.source[v] = (len(self.strategies), 0)
-            # fan-outs of the same layouts (each layer's) share one list
-            if tuple(ordered) not in lists:
-                lists[tuple(ordered)] = [Strategy("fanout", (s,), (s,), 0.0) for s in ordered]
-            self.strategies.append(lists[tuple(ordered)])
-            self.fanout_of.append(v)
 
     def _names(self) -> list[str]:
         """A name per member: inputs by their pytree path, nodes by their scope, or, for nodes

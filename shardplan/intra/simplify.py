@@ -1,5 +1,6 @@
-"""Shrink the ILP before solving: merge follower nodes into the node they follow (Alpa's
-"follower" merging), so each group of cheap ops makes one choice."""
+"""Shape the ILP before solving: merge follower nodes into the node they follow (Alpa's
+"follower" merging), so each group of cheap ops makes one choice; give values read several
+times a fan-out member; tie repeated layers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from shardplan.ir import primitives
 from shardplan.ir.graph import Graph
 from shardplan.strategies.base import Strategy
+from shardplan.strategies.spec import ShardSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +91,60 @@ def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: di
         if key is not None:
             mappings[key] = pick[m] if mapping is not None else None
     return Groups(tuple(root), tuple(pick))
+
+
+def fanout_members(graph: Graph, strategies: list[list[Strategy]],
+                   producer: dict[int, tuple[int, int]], partial_only: bool,
+                   across_layers: bool = False) -> list[tuple[int, list[Strategy]]]:
+    """A value read by several consumers gets a fan-out member: the layout it is resharded
+    to once (XLA reshards a value once for all consumers that want the same layout), from
+    which each consumer reads. Without it, every consumer would pay the same collective.
+    `across_layers`: only values read outside every named scope (by the optimizer's update)
+    as well as inside one. (value, its fan-out's strategies) in value order; `producer` maps
+    value -> (member, output idx), members as in Groups."""
+    g, n_in = graph, len(graph.inputs)
+    readers: dict[int, set[ShardSpec]] = {}
+    outside: set[int] = set()
+    # (strategy list, operand) -> the specs its strategies read: tied layers share lists
+    read: dict[tuple[int, int], frozenset[ShardSpec]] = {}
+    for node in g.nodes:
+        for i, v in enumerate(node.inputs):
+            value = g.values[v]
+            if not value.is_literal and value.const is None and value.ndim > 0 and v in producer:
+                listed = strategies[n_in + node.id]
+                if (id(listed), i) not in read:
+                    read[(id(listed), i)] = frozenset(s.in_specs[i] for s in listed)
+                readers.setdefault(v, set()).update(read[(id(listed), i)])
+                p = producer[v][0]
+                if not node.name and p >= n_in and g.nodes[p - n_in].name:
+                    outside.add(v)
+    for j, v in enumerate(g.outputs):
+        tie = g.output_ties[j]
+        if tie is not None and v in readers:
+            readers[v].update(s.out_specs[0] for s in strategies[tie])
+    counts: dict[int, int] = {}
+    for node in g.nodes:
+        for v in set(node.inputs):
+            counts[v] = counts.get(v, 0) + 1
+    for v in g.outputs:
+        counts[v] = counts.get(v, 0) + 1
+    lists: dict[tuple[ShardSpec, ...], list[Strategy]] = {}
+    out = []
+    for v in sorted(readers):
+        if counts.get(v, 0) < 2:
+            continue
+        p, out_idx = producer[v]
+        made = {s.out_specs[out_idx] for s in strategies[p]}
+        if partial_only and not any(s.partial for s in made):
+            continue
+        if across_layers and v not in outside:
+            continue
+        ordered = tuple(sorted(made | readers[v], key=lambda s: (len(s.used_axes()), str(s))))
+        # fan-outs of the same layouts (each layer's) share one list
+        if ordered not in lists:
+            lists[ordered] = [Strategy("fanout", (s,), (s,), 0.0) for s in ordered]
+        out.append((v, lists[ordered]))
+    return out
 
 
 _LAYER = re.compile(r"([A-Za-z][A-Za-z0-9]*?)_(\d+)(?=\W|$)")
