@@ -4,6 +4,7 @@ rows."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra import ilp
-from shardplan.intra.simplify import Groups, merge_followers, tie_layers
+from shardplan.intra.simplify import Groups, fanout_members, merge_followers, tie_layers
 from shardplan.ir.graph import Graph, Role, Value
 from shardplan.options import DEFAULTS
 from shardplan.strategies import registry
@@ -76,10 +77,21 @@ class Problem:
     def __init__(self, graph: Graph, mesh: MeshShape, cost: AlphaBetaCost, options: IntraOptions):
         self.graph, self.mesh, self.cost, self.options = graph, mesh, cost, options
         self.num_inputs = n_in = len(graph.inputs)
-        self.strategies: list[list[Strategy]] = [
-            [Strategy("fixed", (), (options.fixed_inputs[i],), 0.0)] if i in options.fixed_inputs
-            else _source_strategies(graph.values[v], r, mesh, options.max_split_dims)
-            for i, (v, r) in enumerate(zip(graph.inputs, graph.input_roles))]
+        # Work done once per distinct operator, layout list or edge (not per layer): counted
+        # so that a test can hold planning cost to the distinct layers.
+        self.work: collections.Counter = collections.Counter()
+        sources: dict[tuple, list[Strategy]] = {}
+        self.strategies: list[list[Strategy]] = []
+        for i, (v, r) in enumerate(zip(graph.inputs, graph.input_roles)):
+            if i in options.fixed_inputs:
+                self.strategies.append([Strategy("fixed", (), (options.fixed_inputs[i],), 0.0)])
+                continue
+            # Inputs of one shape and role (each layer's kernels) share their list.
+            key = (graph.values[v].shape, graph.values[v].dtype, r)
+            if key not in sources:
+                sources[key] = _source_strategies(graph.values[v], r, mesh,
+                                                  options.max_split_dims)
+            self.strategies.append(sources[key])
         self.strategies += registry.strategies_of_graph(graph, mesh)
         self.producer: dict[int, tuple[int, int]] = {v: (i, 0) for i, v in enumerate(graph.inputs)}
         for node in graph.nodes:
@@ -95,11 +107,17 @@ class Problem:
         if fanouts == "auto":
             fanouts = "partial" if len(mesh.useful_axes()) == 1 else "layers"
         if fanouts != "none":
-            self._add_fanouts(partial_only=fanouts != "all", across_layers=fanouts == "layers")
+            for v, strategies in fanout_members(graph, self.strategies, self.producer,
+                                                partial_only=fanouts != "all",
+                                                across_layers=fanouts == "layers"):
+                self.source[v] = (len(self.strategies), 0)
+                self.strategies.append(strategies)
+                self.fanout_of.append(v)
         self._node_times: dict[tuple, tuple] = {}
         self._time_keys: dict[int, tuple] = {}
         if options.merge_followers:
-            self.groups = merge_followers(graph, self.strategies, self.source, self.node_cost)
+            self.groups = merge_followers(graph, self.strategies, self.source, self.node_cost,
+                                          self.cost_key, self.work)
         else:
             self.groups = Groups(tuple(range(len(self.strategies))),
                                  tuple(tuple(range(len(s))) for s in self.strategies))
@@ -110,48 +128,6 @@ class Problem:
             self.rep = {r: r for r in self.roots}
         self.reps = sorted(set(self.rep.values()))
         self.index = {r: self.reps.index(self.rep[r]) for r in self.roots}
-
-    def _add_fanouts(self, partial_only: bool, across_layers: bool = False) -> None:
-        """A value read by several consumers gets a fan-out member: the layout it is resharded
-        to once (XLA reshards a value once for all consumers that want the same layout), from
-        which each consumer reads. Without it, every consumer would pay the same collective.
-        `across_layers`: only values read outside every named scope (by the optimizer's update)
-        as well as inside one."""
-        g, n_in = self.graph, self.num_inputs
-        readers: dict[int, list[ShardSpec]] = {}
-        outside: set[int] = set()
-        for node in g.nodes:
-            for i, v in enumerate(node.inputs):
-                if is_tensor(g.values[v]) and g.values[v].ndim > 0 and v in self.producer:
-                    readers.setdefault(v, []).extend(
-                        s.in_specs[i] for s in self.strategies[n_in + node.id])
-                    p = self.producer[v][0]
-                    if not node.name and p >= n_in and g.nodes[p - n_in].name:
-                        outside.add(v)
-        for j, v in enumerate(g.outputs):
-            tie = g.output_ties[j]
-            if tie is not None and v in readers:
-                readers[v].extend(s.out_specs[0] for s in self.strategies[tie])
-        counts: dict[int, int] = {}
-        for node in g.nodes:
-            for v in set(node.inputs):
-                counts[v] = counts.get(v, 0) + 1
-        for v in g.outputs:
-            counts[v] = counts.get(v, 0) + 1
-        for v in sorted(readers):
-            if counts.get(v, 0) < 2:
-                continue
-            p, out_idx = self.producer[v]
-            made = {s.out_specs[out_idx] for s in self.strategies[p]}
-            if partial_only and not any(s.partial for s in made):
-                continue
-            if across_layers and v not in outside:
-                continue
-            specs = made | set(readers[v])
-            ordered = sorted(specs, key=lambda s: (len(s.used_axes()), str(s)))
-            self.source[v] = (len(self.strategies), 0)
-            self.strategies.append([Strategy("fanout", (s,), (s,), 0.0) for s in ordered])
-            self.fanout_of.append(v)
 
     def _names(self) -> list[str]:
         """A name per member: inputs by their pytree path, nodes by their scope, or, for nodes
@@ -180,40 +156,60 @@ class Problem:
         return (node.primitive, tuple(g.values[v].shape for v in node.inputs),
                 tuple(g.values[v].shape for v in node.outputs))
 
+    def cost_key(self, m: int) -> tuple:
+        """Members with equal keys and the same strategy list cost the same under each
+        strategy (the same operator, or input, in every layer): priced once."""
+        key = self._time_keys.get(m)
+        if key is None:
+            g = self.graph
+            if m < self.num_inputs:
+                v = g.values[g.inputs[m]]
+                key = ("input", v.shape, v.dtype, v.itemsize, g.input_roles[m],
+                       self.io_count(m))
+            elif m >= self.num_real:
+                key = ("fanout",)
+            else:
+                key = ("node", self.cost.node_time_key(g, g.nodes[m - self.num_inputs]))
+            self._time_keys[m] = key
+        return key
+
     def node_times(self, m: int, k: int) -> tuple[float, float]:
+        if m >= self.num_real:
+            return 0.0, 0.0
+        strategy = self.strategies[m][k]
+        shared = (self.cost_key(m), id(strategy))
+        if shared not in self._node_times:
+            self.work["node prices"] += 1
+            # the strategy is kept beside its price: its id stays its own
+            self._node_times[shared] = (self._node_times_once(m, strategy), strategy)
+        return self._node_times[shared][0]
+
+    def _node_times_once(self, m: int, strategy: Strategy) -> tuple[float, float]:
         if m < self.num_inputs:
             # The step reads its input and writes the outputs tied to it (input_io_time),
             # plus a tie-break, not a cost: a batch input split off its leading (batch)
             # dimension pays a thousandth of its read once more, so that where the two tie,
             # the batch split the user expects wins.
             value = self.graph.values[self.graph.inputs[m]]
-            spec = self.strategies[m][k].out_specs[0]
+            spec = strategy.out_specs[0]
             read = self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth
             off_batch = (self.graph.input_roles[m] == Role.BATCH and value.shape
                          and not spec.dims[0] and not spec.is_replicated())
             return self.input_io_time(m, spec) + (1e-3 * read if off_batch else 0.0), 0.0
-        if m >= self.num_real:
-            return 0.0, 0.0
-        key = (m, k)
-        if key not in self._node_times:
-            node = self.graph.nodes[m - self.num_inputs]
-            strategy = self.strategies[m][k]
-            # The same operator in every layer shares its strategies (registry): priced once.
-            if m not in self._time_keys:
-                self._time_keys[m] = self.cost.node_time_key(self.graph, node)
-            shared = (self._time_keys[m], id(strategy))
-            if shared not in self._node_times:
-                self._node_times[shared] = (self.cost.node_time(self.graph, node, strategy),
-                                            strategy)
-            self._node_times[key] = self._node_times[shared][0]
-        return self._node_times[key]
+        return self.cost.node_time(self.graph, self.graph.nodes[m - self.num_inputs], strategy)
 
-    def input_io_time(self, m: int, spec: ShardSpec) -> float:
-        """Seconds the step spends reading input m and writing the outputs tied to it (the
-        state it updates) per device, at the memory bandwidth: what every backend pays
-        whatever it fuses, and what the pricer charges the compiled program's arguments and
-        results (analysis/hlo_bytes.py io_bytes). An input no op reads is not read (jit
-        drops it)."""
+    def choice_key(self, m: int) -> int:
+        """What member m runs for each choice of its root, as a small int: members with equal
+        keys take the same strategies of the same list (the same operator in tied layers)."""
+        keys = self.__dict__.setdefault("_choice_keys", {})
+        if m not in keys:
+            ids = self.__dict__.setdefault("_choice_ids", {})
+            keys[m] = ids.setdefault((id(self.strategies[m]), self.groups.pick[m]), len(ids))
+        return keys[m]
+
+    def io_count(self, m: int) -> float:
+        """Times the step reads input m (once, if any op reads it) and writes it back (once
+        per output tied to it)."""
         if "_io_counts" not in self.__dict__:
             g = self.graph
             used = {v for n in g.nodes for v in n.inputs} | set(g.outputs)
@@ -222,7 +218,15 @@ class Problem:
                 if tie is not None:
                     counts[tie] += 1.0
             self.__dict__["_io_counts"] = counts
-        times = self.__dict__["_io_counts"][m]
+        return self.__dict__["_io_counts"][m]
+
+    def input_io_time(self, m: int, spec: ShardSpec) -> float:
+        """Seconds the step spends reading input m and writing the outputs tied to it (the
+        state it updates) per device, at the memory bandwidth: what every backend pays
+        whatever it fuses, and what the pricer charges the compiled program's arguments and
+        results (analysis/hlo_bytes.py io_bytes). An input no op reads is not read (jit
+        drops it)."""
+        times = self.io_count(m)
         value = self.graph.values[self.graph.inputs[m]]
         return times * self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth
 
@@ -312,32 +316,58 @@ class Problem:
         mat.flags.writeable = False
         return mat
 
-    def edges_and_unary(self):
-        """Node costs per root choice, and edge matrices between roots."""
-        g, n_in = self.graph, self.num_inputs
-        unary = {r: np.zeros(len(self.strategies[r])) for r in self.roots}
-        for m in range(len(self.strategies)):
-            r = self.groups.root[m]
-            unary[r] += np.array([self.node_cost(m, self.groups.pick[m][k])
-                                  for k in range(len(self.strategies[r]))])
-        edges: dict[tuple[int, int], np.ndarray] = {}
+    def _edge_cost(self, value: Value, p: int, out_idx: int, n: int, dst: tuple,
+                   same_root: bool) -> np.ndarray | None:
+        """What resharding `value` from p's output `out_idx` into n (`dst`) costs once: per
+        root choice when both follow one root, else a matrix [p's root choice, n's]; None when
+        it is free whatever the choices."""
+        kp = len(self.strategies[self.groups.root[p]])
+        kn = len(self.strategies[self.groups.root[n]])
+        srcs = [self.out_spec(p, out_idx, k) for k in range(kp)]
+        if value.ndim == 0 and not any(s.partial for s in srcs):
+            return None
+        kind, idx = dst
+        spec = self.in_spec if kind == "in" else self.out_spec
+        if same_root:
+            return np.array([self.reshard_time(value, srcs[k], spec(n, idx, k))
+                             for k in range(kp)])
+        mat = self._reshard_matrix(value, srcs, [spec(n, idx, k) for k in range(kn)])
+        return mat if mat.any() else None
 
-        def add_edge(value: Value, p: int, out_idx: int, n: int, dst_of, trips=None) -> None:
-            rp, rn = self.groups.root[p], self.groups.root[n]
-            kp, kn = len(self.strategies[rp]), len(self.strategies[rn])
-            srcs = [self.out_spec(p, out_idx, k) for k in range(kp)]
-            if value.ndim == 0 and not any(s.partial for s in srcs):
+    def edges_and_unary(self):
+        """Node costs per root choice, and edge matrices between roots. Tied layers repeat the
+        same members and edges: each distinct one (its strategies, picks and value shape) is
+        priced once and added with its trip count."""
+        g, n_in = self.graph, self.num_inputs
+        root = self.groups.root
+        unary = {r: np.zeros(len(self.strategies[r])) for r in self.roots}
+        priced: dict[tuple, np.ndarray] = {}
+        for m in range(len(self.strategies)):
+            key = (self.cost_key(m), self.choice_key(m))
+            if key not in priced:
+                self.work["unary costs"] += 1
+                priced[key] = np.array([self.node_cost(m, k) for k in self.groups.pick[m]])
+            unary[root[m]] += priced[key]
+        edges: dict[tuple[int, int], np.ndarray] = {}
+        memo: dict[tuple, np.ndarray | None] = {}
+
+        def add_edge(value: Value, p: int, out_idx: int, n: int, dst: tuple, trips=None) -> None:
+            """`dst`: ("in", i) the strategies' i-th operand spec of n, ("out", 0) its output."""
+            rp, rn = root[p], root[n]
+            key = (value.shape, value.dtype, value.itemsize, self.choice_key(p), out_idx,
+                   self.choice_key(n), dst, rp == rn)
+            if key not in memo:
+                self.work["edge costs"] += 1
+                memo[key] = self._edge_cost(value, p, out_idx, n, dst, rp == rn)
+            cost = memo[key]
+            if cost is None:
                 return
             if trips is None:
                 trips = self.edge_trips(p, n)
             if rp == rn:
-                unary[rp] += trips * np.array([self.reshard_time(value, srcs[k], dst_of(k))
-                                               for k in range(kp)])
-                return
-            dsts = [dst_of(k) for k in range(kn)]
-            mat = self._reshard_matrix(value, srcs, dsts)
-            if mat.any():
-                edges[(rp, rn)] = edges.get((rp, rn), 0) + trips * mat
+                unary[rp] += trips * cost
+            else:
+                edges[(rp, rn)] = edges.get((rp, rn), 0) + trips * cost
 
         for node in g.nodes:
             m = n_in + node.id
@@ -346,18 +376,18 @@ class Problem:
                 if not is_tensor(value) or v not in self.producer:
                     continue
                 p, out_idx = self.source[v]
-                add_edge(value, p, out_idx, m, lambda k, m=m, i=i: self.in_spec(m, i, k))
+                add_edge(value, p, out_idx, m, ("in", i))
         for f, v in enumerate(self.fanout_of):
             m = self.num_real + f
             p, out_idx = self.producer[v]
-            add_edge(g.values[v], p, out_idx, m, lambda k, m=m: self.in_spec(m, 0, k))
+            add_edge(g.values[v], p, out_idx, m, ("in", 0))
         for src, carry, trips in g.carry_edges():
             # What a loop body hands to its next iteration is resharded into the carry's layout.
             if not is_tensor(g.values[src]) or src not in self.producer:
                 continue
             p, out_idx = self.source[src]
             c, _ = self.producer[carry]
-            add_edge(g.values[src], p, out_idx, c, lambda k, c=c: self.out_spec(c, 0, k), trips)
+            add_edge(g.values[src], p, out_idx, c, ("out", 0), trips)
         for j, v in enumerate(g.outputs):
             value = g.values[v]
             if not is_tensor(value) or v not in self.producer:
@@ -365,7 +395,7 @@ class Problem:
             tie = g.output_ties[j] if j < len(g.output_ties) else None
             p, out_idx = self.source[v] if tie is not None else self.producer[v]
             if tie is not None:
-                add_edge(value, p, out_idx, tie, lambda k, s=tie: self.out_spec(s, 0, k))
+                add_edge(value, p, out_idx, tie, ("out", 0))
             else:
                 rp = self.groups.root[p]
                 unary[rp] += np.array([

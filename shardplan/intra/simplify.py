@@ -1,5 +1,6 @@
-"""Shrink the ILP before solving: merge follower nodes into the node they follow (Alpa's
-"follower" merging), so each group of cheap ops makes one choice."""
+"""Shape the ILP before solving: merge follower nodes into the node they follow (Alpa's
+"follower" merging), so each group of cheap ops makes one choice; give values read several
+times a fan-out member; tie repeated layers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from shardplan.ir import primitives
 from shardplan.ir.graph import Graph
 from shardplan.strategies.base import Strategy
+from shardplan.strategies.spec import ShardSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,17 +28,23 @@ class Groups:
 
 
 def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: dict[int, tuple[int, int]],
-                    node_cost) -> Groups:
+                    node_cost, cost_key=None, work=None) -> Groups:
     """A node follows its largest tensor operand (as in Alpa) when it performs no collective
     in any strategy and can take every spec that operand's group can produce; it then runs in
     that spec at its cheapest matching strategy, and its other operands are resharded to it.
-    `producer` maps value -> (member, output idx); `node_cost(member, k)` prices a strategy."""
+    `producer` maps value -> (member, output idx); `node_cost(member, k)` prices a strategy;
+    `cost_key(member)`, where given, is equal for members that cost the same under each
+    strategy of a shared list (the same operator in tied layers): their mapping is made once
+    (`work` counts the mappings made)."""
     root = list(range(len(strategies)))
     pick: list[tuple[int, ...]] = [tuple(range(len(s))) for s in strategies]
     num_inputs = len(graph.inputs)
     # (strategy list, operand, spec) -> the strategies that read the operand in that spec:
     # nodes of repeated layers share their strategy lists.
     reading: dict[tuple[int, int, object], list[int]] = {}
+    # (follower's list and cost, operand, producer's list and picks, output) -> its picks
+    mappings: dict[tuple, tuple[int, ...] | None] = {}
+    no_comms: dict[int, bool] = {}
     for node in graph.nodes:
         m = num_inputs + node.id
         if primitives.info(node.primitive).leader or len(node.outputs) != 1:
@@ -44,29 +52,99 @@ def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: di
         tensor_inputs = [(i, v) for i, v in enumerate(node.inputs)
                          if not graph.values[v].is_literal and graph.values[v].const is None
                          and graph.values[v].ndim > 0 and v in producer]
-        if len(tensor_inputs) != 1 or any(s.comms for s in strategies[m]):
+        if len(tensor_inputs) != 1:
+            continue
+        if id(strategies[m]) not in no_comms:
+            no_comms[id(strategies[m])] = not any(s.comms for s in strategies[m])
+        if not no_comms[id(strategies[m])]:
             continue
         i, v = max(tensor_inputs, key=lambda iv: (graph.values[iv[1]].nbytes, -iv[0]))
         p, out_idx = producer[v]
         r = root[p]
+        key = None
+        if cost_key is not None:
+            key = (id(strategies[m]), cost_key(m), i, id(strategies[p]), pick[p], out_idx)
+            if key in mappings:
+                if mappings[key] is not None:
+                    root[m], pick[m] = r, mappings[key]
+                continue
+        if work is not None:
+            work["follower mappings"] += 1
         mapping = []
         for k in range(len(strategies[r])):
             spec = strategies[p][pick[p][k]].out_specs[out_idx]
-            key = (id(strategies[m]), i, spec)
-            if key not in reading:
-                reading[key] = [l for l, s in enumerate(strategies[m]) if s.in_specs[i] == spec]
-            matches = reading[key]
+            rkey = (id(strategies[m]), i, spec)
+            if rkey not in reading:
+                reading[rkey] = [l for l, s in enumerate(strategies[m]) if s.in_specs[i] == spec]
+            matches = reading[rkey]
             # A follower's layout must follow from its operand's: where several outputs are
             # possible (a broadcast may split its new dims), the choice is left to the ILP.
             if not matches:
+                mapping = None
                 break
             # Cheapest, then the one whose other operands share the followed spec (no reshard).
             mapping.append(min(matches, key=lambda l: (
                 node_cost(m, l), sum(x != spec for x in strategies[m][l].in_specs), l)))
-        else:
+        if mapping is not None:
             root[m] = r
             pick[m] = tuple(mapping)
+        if key is not None:
+            mappings[key] = pick[m] if mapping is not None else None
     return Groups(tuple(root), tuple(pick))
+
+
+def fanout_members(graph: Graph, strategies: list[list[Strategy]],
+                   producer: dict[int, tuple[int, int]], partial_only: bool,
+                   across_layers: bool = False) -> list[tuple[int, list[Strategy]]]:
+    """A value read by several consumers gets a fan-out member: the layout it is resharded
+    to once (XLA reshards a value once for all consumers that want the same layout), from
+    which each consumer reads. Without it, every consumer would pay the same collective.
+    `across_layers`: only values read outside every named scope (by the optimizer's update)
+    as well as inside one. (value, its fan-out's strategies) in value order; `producer` maps
+    value -> (member, output idx), members as in Groups."""
+    g, n_in = graph, len(graph.inputs)
+    readers: dict[int, set[ShardSpec]] = {}
+    outside: set[int] = set()
+    # (strategy list, operand) -> the specs its strategies read: tied layers share lists
+    read: dict[tuple[int, int], frozenset[ShardSpec]] = {}
+    for node in g.nodes:
+        for i, v in enumerate(node.inputs):
+            value = g.values[v]
+            if not value.is_literal and value.const is None and value.ndim > 0 and v in producer:
+                listed = strategies[n_in + node.id]
+                if (id(listed), i) not in read:
+                    read[(id(listed), i)] = frozenset(s.in_specs[i] for s in listed)
+                readers.setdefault(v, set()).update(read[(id(listed), i)])
+                p = producer[v][0]
+                if not node.name and p >= n_in and g.nodes[p - n_in].name:
+                    outside.add(v)
+    for j, v in enumerate(g.outputs):
+        tie = g.output_ties[j]
+        if tie is not None and v in readers:
+            readers[v].update(s.out_specs[0] for s in strategies[tie])
+    counts: dict[int, int] = {}
+    for node in g.nodes:
+        for v in set(node.inputs):
+            counts[v] = counts.get(v, 0) + 1
+    for v in g.outputs:
+        counts[v] = counts.get(v, 0) + 1
+    lists: dict[tuple[ShardSpec, ...], list[Strategy]] = {}
+    out = []
+    for v in sorted(readers):
+        if counts.get(v, 0) < 2:
+            continue
+        p, out_idx = producer[v]
+        made = {s.out_specs[out_idx] for s in strategies[p]}
+        if partial_only and not any(s.partial for s in made):
+            continue
+        if across_layers and v not in outside:
+            continue
+        ordered = tuple(sorted(made | readers[v], key=lambda s: (len(s.used_axes()), str(s))))
+        # fan-outs of the same layouts (each layer's) share one list
+        if ordered not in lists:
+            lists[ordered] = [Strategy("fanout", (s,), (s,), 0.0) for s in ordered]
+        out.append((v, lists[ordered]))
+    return out
 
 
 _LAYER = re.compile(r"([A-Za-z][A-Za-z0-9]*?)_(\d+)(?=\W|$)")
