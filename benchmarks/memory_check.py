@@ -110,7 +110,7 @@ def check(model: str, mesh_name: str, measure: bool = False):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=["mlp", "gpt", "bert"])
+    parser.add_argument("--models", nargs="*", default=["mlp", "gpt", "bert", "llama", "moe", "vit"])
     parser.add_argument("--meshes", nargs="*", default=list(MESHES))
     parser.add_argument("--measure", action="store_true", help="plan with measure=True")
     args = parser.parse_args(argv)
