@@ -159,6 +159,28 @@ def _unary(graph, node, producer) -> bool:
     return sum(map(big, node.inputs)) <= 1
 
 
+def _materialised(graph, node, rs) -> bool:
+    """A broadcast that several ops read (a layer norm's scale or 1/std, read in the forward
+    and the backward pass): XLA:CPU writes it once (common subexpressions merged, not fused
+    into the readers) and keeps it from the first read to the last; the live ranges of a GPT
+    on 8 devices held ten activation-sized broadcasts at the peak."""
+    if node.primitive != "broadcast_in_dim" or len(rs) < 2:
+        return False
+    return all(graph.values[o].size > graph.values[node.inputs[0]].size for o in node.outputs)
+
+
+def _outer(graph, node, v) -> bool:
+    """An elementwise op of two operands each smaller than its result (a layer norm's
+    1/std [b, s, 1] times its scale [1, 1, h]): XLA:CPU writes both operands broadcast to the
+    result's shape and fuses the product into every reader (the live ranges of a GPT on 8
+    devices), two buffers of the result's size where the model would see one."""
+    if node.primitive not in CHEAP or len(node.inputs) != 2:
+        return False
+    size = graph.values[v].size
+    return all(not graph.values[u].is_literal and graph.values[u].size < size
+               for u in node.inputs)
+
+
 def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
     """(values XLA never writes, the position of each value's last read). A value is never
     written when its producer is fused into its readers: an op read once by another fused op,
@@ -182,7 +204,8 @@ def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
             if v in outputs or node.primitive not in fused:
                 continue
             if all(graph.nodes[r].primitive in takes_in for r in rs) and (
-                    len(rs) == 1 or (node.primitive in CHEAP and _unary(graph, node, producer))):
+                    len(rs) == 1 or (node.primitive in CHEAP and _unary(graph, node, producer)
+                                     and not _materialised(graph, node, rs))):
                 virtual.add(v)
     return virtual, last
 
@@ -233,6 +256,17 @@ class MemoryModel:
         for j, v in enumerate(g.outputs):
             outputs.setdefault(v, []).append(j)
         self.virtual, self.last = virtual, last = lifetimes(g, pos, readers, outputs)
+        # XLA's scheduler runs what only the step's inputs feed (a weight gathered for a dot,
+        # a layer norm's scale broadcast) as soon as it can: the live ranges it dumps start
+        # every gathered kernel and broadcast scale of a 2-layer GPT or ViT before the first
+        # layer runs, not at their readers. They start at the first op that reads an input
+        # and is not fused (the first layer's first dot or gather).
+        self.first = min((pos[r] for v in g.inputs for r in readers.get(v, ())
+                          if g.nodes[r].primitive not in FUSED), default=0)
+        static = set(g.inputs)
+        for node in g.nodes:
+            if all(v in static or g.values[v].is_literal for v in node.inputs):
+                static.update(node.outputs)
         for node in g.nodes:
             m = p.num_inputs + node.id
             for k, v in enumerate(node.outputs):
@@ -244,11 +278,16 @@ class MemoryModel:
                     if v in virtual:
                         continue
                     nbytes = scale * sizes(v, m, k)
+                    if _outer(g, node, v):
+                        nbytes = 2 * nbytes
                     if node.primitive in GENERATORS:
                         nbytes = 2 * nbytes
                         self.buffers.append(Buffer(root[m], nbytes, pos[node.id], pos[node.id],
                                                   f"{node.primitive} {node.name} counters"))
-                    self.buffers.append(Buffer(root[m], nbytes, pos[node.id],
+                    start = pos[node.id]
+                    if node.primitive == "broadcast_in_dim" and v in static:
+                        start = min(start, self.first)
+                    self.buffers.append(Buffer(root[m], nbytes, start,
                                                last[v], f"{node.primitive} {node.name}"))
                     continue
                 if len(ties) < len(js):
@@ -276,13 +315,7 @@ class MemoryModel:
                 if is_tensor(value) and value.ndim > 0 and v in p.producer:
                     readers.setdefault(v, []).append((p.num_inputs + node.id, i))
         bytes_of: dict = {}  # (shape, spec) -> bytes: repeated layers read the same
-        # XLA's scheduler gathers the step's inputs (the weights) for the ops that read them
-        # gathered as soon as it can: the live ranges it dumps start every gathered kernel of
-        # a 2-layer GPT or ViT before the first layer runs, not at its reader.
-        heavy_inputs = [self.pos[m - p.num_inputs] for v, rs in readers.items()
-                        if p.source[v][0] < p.num_inputs for m, _ in rs
-                        if g.nodes[m - p.num_inputs].primitive not in FUSED]
-        first = min(heavy_inputs, default=0)
+        first = self.first  # gathered inputs start there (see __init__)
         for v in sorted(readers):
             src, out_idx = p.source[v]
             rs = root[src]
@@ -409,3 +442,46 @@ class MemoryModel:
         np.add.at(change, starts.astype(int), sizes)
         np.add.at(change, ends.astype(int) + 1, -sizes)
         return max(0.0, float(np.cumsum(change).max()))
+
+
+# -- XLA:CPU's view of a narrow-float step ----------------------------------------------------
+
+NARROW_FLOATS = frozenset({"bfloat16", "float16"})
+
+
+def cpu_widening(graph) -> float:
+    """The share of XLA:CPU's temporaries that a device computing in bf16/f16 natively holds.
+
+    XLA:CPU has no bf16 arithmetic: it normalises every bf16 op to f32 (FloatNormalization)
+    and keeps the f32 results between fusions (measured: a bf16 GPT's compiled peak on CPU
+    equals the f32 GPT's, to the byte), so a bf16 step compiled on CPU devices standing in for
+    a GPU or TPU holds its bf16 intermediates twice over. This is the peak of the step's
+    intermediates (not its inputs and outputs, whose buffers keep their dtype) under the
+    memory model's schedule and lifetimes, at their own widths, over the same peak with every
+    narrow float held as f32: 1.0 for a step without narrow floats. A model, not a
+    measurement (the target's program cannot be compiled on CPU): shardplan.measure says so
+    where it uses it."""
+    if not any(v.dtype in NARROW_FLOATS for v in graph.values):
+        return 1.0
+    pos = schedule(graph)
+    readers: dict[int, list[int]] = {}
+    for node in graph.nodes:
+        for v in set(node.inputs):
+            readers.setdefault(v, []).append(node.id)
+    outputs = {v: [j] for j, v in enumerate(graph.outputs)}
+    virtual, last = lifetimes(graph, pos, readers, outputs)
+    n = len(graph.nodes) + 1
+    native, widened = np.zeros(n + 1), np.zeros(n + 1)
+    for node in graph.nodes:
+        for v in node.outputs:
+            value = graph.values[v]
+            if v in virtual or v in outputs or v not in last or value.ndim == 0:
+                continue
+            a, b = pos[node.id], last[v] + 1
+            native[a] += value.nbytes
+            native[b] -= value.nbytes
+            wide = value.size * 4 if value.dtype in NARROW_FLOATS else value.nbytes
+            widened[a] += wide
+            widened[b] -= wide
+    top = float(np.cumsum(widened).max())
+    return float(np.cumsum(native).max()) / top if top > 0 else 1.0
