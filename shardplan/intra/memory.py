@@ -348,7 +348,9 @@ class MemoryModel:
                 last = max([at, *(t for t in heavy if t > at)])
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
                 start = at
-                if src < p.num_inputs and g.nodes[m - p.num_inputs].primitive not in FUSED:
+                if src < p.num_inputs and heavy and at == min(heavy):
+                    # the first gathering reader's copy, which the later ones share if they
+                    # read the same layout (theirs start at their reader: never hoisted twice)
                     start = min(at, first)
                 self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start, last,
                                         f"reshard of v{v} for {what}"))
