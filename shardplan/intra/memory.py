@@ -9,7 +9,13 @@ It follows what `compiled.memory_analysis()` counts (argument + output + temp - 
   reader wants): XLA makes one copy per layout for all the readers that want it (an
   all-gathered kernel is kept from the forward pass to the backward), so a reader's copy is
   counted from the reader to the last reader of the value that could reshard it too;
-- a state output computed in another layout than its input's: the result before the reshard.
+- a state output computed in another layout than its input's: the result before the reshard;
+- what XLA:CPU does that a list schedule of the jaxpr does not show, each measured on its live
+  ranges (--xla_dump_to): a weight gathered for a dot, and a broadcast of what only the inputs
+  feed, start before the first layer (its scheduler hoists them); a broadcast read by several
+  ops is written once and kept; an elementwise op whose operands are both smaller than its
+  result (a norm's 1/std times its scale) is written as its two broadcast operands.
+What remains (XLA's heap gaps, the rest of its schedule) is the margin (MARGIN).
 """
 
 from __future__ import annotations
