@@ -33,7 +33,7 @@ from shardplan.analysis.price import PricedStep, price
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.emit import spmd
 from shardplan.emit.jit import emit_jit
-from shardplan.intra import experts, memory
+from shardplan.intra import experts, liveness
 from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
 from shardplan.intra.planner import IntraPlan
 from shardplan.ir.graph import Graph, Role
@@ -181,7 +181,7 @@ def device_grid(mesh) -> np.ndarray:
 def compile_and_price(lowered, mesh, mesh_shape: MeshShape, hw: HardwareProfile, dtype: str,
                       widening: float = 1.0) -> tuple[hlo.ProgramStats, PricedStep]:
     """A lowered program compiled by XLA on `mesh` (never run), analysed and priced as `hw`
-    runs it, compute at `dtype`'s peak. `widening` (memory.cpu_widening of the step): on CPU
+    runs it, compute at `dtype`'s peak. `widening` (intra.liveness.cpu_widening of the step): on CPU
     devices standing in for a GPU or TPU, the share of the temporaries the target holds."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # donating abstract args warns
@@ -245,7 +245,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     times, and each re-plan is a candidate too. `complete` lays out the expert plans'
     intermediates (expert_plans)."""
     dtype = compute_dtype(graph)
-    widening = memory.cpu_widening(graph) if target.widens(mesh, hw) else 1.0
+    widening = liveness.cpu_widening(graph) if target.widens(mesh, hw) else 1.0
 
     def run(name, p):
         if progress is not None:
@@ -423,7 +423,7 @@ def choose_measured(fn, args: Sequence, mesh, hw: HardwareProfile, options: Sear
     devices = mesh if real else cpu_mesh(shape)
     graph = choice.intra_graph
     dtype = compute_dtype(graph)
-    widening = memory.cpu_widening(graph) if target.widens(devices, hw) else 1.0
+    widening = liveness.cpu_widening(graph) if target.widens(devices, hw) else 1.0
     intra = measure(graph, traced, choice.intra, devices, hw, "intra-op", donate_argnums, dtype,
                     widening)
     try:

@@ -7,14 +7,13 @@ bf16 through f32 buffers)."""
 import warnings
 
 import jax
-import numpy as np
 import pytest
 
 import shardplan
 from shardplan import measure
 from shardplan.analysis import hlo, target
 from shardplan.cost.hardware import get_profile
-from shardplan.intra import memory
+from shardplan.intra import liveness
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
@@ -79,7 +78,7 @@ def test_xla_cpu_computes_bf16_in_f32_and_the_widening_says_how_much_the_target_
             warnings.simplefilter("ignore")
             lowered = jax.jit(m.fn, in_shardings=rep, out_shardings=rep).lower(*m.args)
         peaks[dtype] = hlo.analyze(measure.compile_for_analysis(lowered)).peak_bytes
-        w = memory.cpu_widening(graph)
+        w = liveness.cpu_widening(graph)
         assert (w == 1.0) if dtype == "float32" else (0.5 <= w < 1.0), (dtype, w)
     assert peaks["bfloat16"] >= peaks["float32"], peaks
 

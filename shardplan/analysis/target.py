@@ -1,6 +1,6 @@
 """Compiled programs as the target would hold them: XLA:CPU computes bf16 and f16 through f32
 buffers that a GPU or TPU never makes, so a narrow-float step compiled on CPU devices standing
-in for the target holds more temporaries than the target would (shardplan.intra.memory
+in for the target holds more temporaries than the target would (shardplan.intra.liveness
 .cpu_widening models the share it keeps)."""
 
 from __future__ import annotations
