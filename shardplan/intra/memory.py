@@ -32,14 +32,14 @@ from shardplan.ir import primitives
 
 # What the model does not see of XLA's buffers, as a share of the step's activations (every
 # buffer but its inputs and outputs, which it counts exactly). Set against XLA's own liveness
-# (the live-range dump, --xla_dump_to: "Stack trace breakdown for peak usage") over the zoo at
-# test size on 2x4 devices, the model's live set at its peak is within 4% of XLA's (gpt -0.6%,
-# bert -0.1%, llama -3.3%, moe +5.9%); what memory_analysis() reports is more: XLA's heap packs
-# the temporaries into one allocation with gaps, 5-6% above their live peak (gpt 1.064, bert
-# 1.057, llama 1.04). The margin covers the gaps and the model's error in XLA's favour; it is
-# uncertain (a measured spread, not a model of the heap), and the plan's notes say so.
-# (A bf16 step compiled on CPU is no evidence either way: XLA:CPU computes bf16 through f32
-# buffers that a GPU or TPU never makes; shardplan.measure accounts for it.)
+# (the live-range dump, --xla_dump_to: "Stack trace breakdown for peak usage") on the zoo at
+# test size, the model's live set at its peak came to -8% .. +17% of XLA's (2x4: gpt -0.6%,
+# bert -0.1%, vit -0.5%, llama -3.3%, moe +5.9%, 1-layer gpt +10%; 8 devices at tight budgets:
+# gpt -8%, llama +17%); what memory_analysis() reports is more: XLA's heap packs the
+# temporaries into one allocation with gaps, 4-6% above their live peak for a GPT or BERT
+# (1.064, 1.057, llama 1.04) and up to 1.76x for the MLP's few kilobytes. The margin covers
+# the gaps and part of the model's error in XLA's favour; it is uncertain (a measured spread,
+# not a model of the heap), and the plan's notes say so.
 MARGIN = 0.10
 # Scalars XLA:CPU's temp allocation holds that the model does not list (a partial sum and its
 # all-reduced copy, loop counters, the offsets of 16-byte alignment): 16 bytes measured on a
