@@ -4,9 +4,13 @@ For zoo models at test size on 8 and 2x4 CPU devices: the least memory any plan 
 planner reports it), data parallel's compiled peak, and three budgets between the two. Each
 budget is planned (`shardplan.auto(..., memory_budget=b)`), compiled, and the compiled peak
 (`memory_analysis()`: argument + output + temp - alias per device) set against the plan's
-estimate and the budget.
+estimate (to be within TOLERANCE) and the budget. To see where the memory model and XLA
+differ, compile with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text": DIR's
+*live-range.txt lists the buffers live at XLA's peak ("Live ranges at N (peak)") and their
+total ("Stack trace breakdown for peak usage"); the rest of memory_analysis' temp is the heap's
+gaps.
 
-    .venv/bin/python benchmarks/memory_check.py                 # mlp gpt bert, 8 and 2x4
+    .venv/bin/python benchmarks/memory_check.py                 # mlp gpt bert llama moe vit
     .venv/bin/python benchmarks/memory_check.py --models mlp --meshes 2x4 --measure
 """
 
@@ -22,7 +26,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 
 MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
-FRACTIONS = (0.0, 0.3, 0.7)  # where in [reported minimum, data parallel's peak] to budget
+FRACTIONS = (0.1, 0.4, 0.7)  # where in [reported minimum, data parallel's peak] to budget
 TOLERANCE = 0.10  # the estimate is to be within this of the compiled peak
 
 
@@ -110,7 +114,7 @@ def check(model: str, mesh_name: str, measure: bool = False):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=["mlp", "gpt", "bert"])
+    parser.add_argument("--models", nargs="*", default=["mlp", "gpt", "bert", "llama", "moe", "vit"])
     parser.add_argument("--meshes", nargs="*", default=list(MESHES))
     parser.add_argument("--measure", action="store_true", help="plan with measure=True")
     args = parser.parse_args(argv)

@@ -28,12 +28,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan.analysis import hlo
+from shardplan.analysis import hlo, target
 from shardplan.analysis.price import PricedStep, price
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.emit import spmd
 from shardplan.emit.jit import emit_jit
-from shardplan.intra import experts
+from shardplan.intra import experts, liveness
 from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
 from shardplan.intra.planner import IntraPlan
 from shardplan.ir.graph import Graph, Role
@@ -178,13 +178,14 @@ def device_grid(mesh) -> np.ndarray:
     return np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
 
 
-def compile_and_price(lowered, mesh, mesh_shape: MeshShape, hw: HardwareProfile, dtype: str
-                      ) -> tuple[hlo.ProgramStats, PricedStep]:
+def compile_and_price(lowered, mesh, mesh_shape: MeshShape, hw: HardwareProfile, dtype: str,
+                      widening: float = 1.0) -> tuple[hlo.ProgramStats, PricedStep]:
     """A lowered program compiled by XLA on `mesh` (never run), analysed and priced as `hw`
-    runs it, compute at `dtype`'s peak."""
+    runs it, compute at `dtype`'s peak. `widening` (intra.liveness.cpu_widening of the step): on CPU
+    devices standing in for a GPU or TPU, the share of the temporaries the target holds."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # donating abstract args warns
-        stats = hlo.analyze(compile_for_analysis(lowered))
+        stats = target.on_target(hlo.analyze(compile_for_analysis(lowered)), mesh, hw, widening)
     return stats, price(stats, mesh_shape, device_grid(mesh), hw, dtype)
 
 
@@ -201,11 +202,14 @@ def lower_plan(graph: Graph, traced: TracedStep, plan: Plan, mesh,
 
 
 def measure(graph: Graph, traced: TracedStep, plan: Plan, mesh, hw: HardwareProfile, name: str,
-            donate_argnums: Sequence[int] = (), dtype: str | None = None) -> MeasuredProgram:
-    """Compile and price one plan; a failure to compile is recorded, not raised."""
+            donate_argnums: Sequence[int] = (), dtype: str | None = None,
+            widening: float = 1.0) -> MeasuredProgram:
+    """Compile and price one plan (`widening`: compile_and_price's); a failure to compile is
+    recorded, not raised."""
     try:
         _, priced = compile_and_price(lower_plan(graph, traced, plan, mesh, donate_argnums),
-                                      mesh, plan.mesh, hw, dtype or compute_dtype(graph))
+                                      mesh, plan.mesh, hw, dtype or compute_dtype(graph),
+                                      widening)
     except Exception as e:  # noqa: BLE001 - one candidate failing must not sink the others
         return MeasuredProgram(name, plan, None,
                                f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
@@ -241,11 +245,12 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     times, and each re-plan is a candidate too. `complete` lays out the expert plans'
     intermediates (expert_plans)."""
     dtype = compute_dtype(graph)
+    widening = liveness.cpu_widening(graph) if target.widens(mesh, hw) else 1.0
 
     def run(name, p):
         if progress is not None:
             progress(f"compiling and pricing the {name} plan")
-        return measure(graph, traced, p, mesh, hw, name, donate_argnums, dtype)
+        return measure(graph, traced, p, mesh, hw, name, donate_argnums, dtype, widening)
 
     candidates = [run("searched", plan)]
     stopped = _recalibrate(candidates, run, memory_budget, replan)
@@ -257,7 +262,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     best = _cheapest(priced, memory_budget)
     fits = any(c.fits(memory_budget) for c in priced)
     note = (_note(candidates, hw, memory_budget) + stopped
-            + _kept_note(best, fits, memory_budget))
+            + _kept_note(best, fits, memory_budget) + _widening_note(widening))
     solver = (best.plan.solver if best.name.startswith("searched")
               else f"{best.plan.solver}; searched: {plan.solver}")
     kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),
@@ -318,6 +323,15 @@ def _note(candidates: Sequence[MeasuredProgram], hw: HardwareProfile,
         lines.append(f"{c.name} {fmt_seconds(p.total_s)} (compute {fmt_seconds(p.compute_s)}, "
                      f"comm {fmt_seconds(p.comm_s)}), peak {fmt_bytes(p.peak_bytes)}{fit}")
     return f"measured (compiled by XLA, priced as {hw.name}): " + "; ".join(lines)
+
+
+def _widening_note(widening: float) -> str:
+    if widening >= 1.0:
+        return ""
+    return (f"; peaks as the target holds them: compiled on CPU, whose XLA computes bf16/f16 "
+            f"through f32 buffers, the temporaries counted x{widening:.2f} (the memory "
+            "model's ratio of the step's intermediates at their own widths to them widened: "
+            "a model, not a measurement)")
 
 
 def _kept_note(best: MeasuredProgram, fitting: bool, memory_budget: float | None) -> str:
@@ -382,11 +396,12 @@ def lower_spmd(fn, args: Sequence, plan: Plan, mesh, donate_argnums: Sequence[in
 
 
 def price_spmd(fn, args: Sequence, plan: Plan, mesh, hw: HardwareProfile, dtype: str,
-               donate_argnums: Sequence[int] = ()) -> tuple[hlo.ProgramStats, PricedStep]:
+               donate_argnums: Sequence[int] = (), widening: float = 1.0
+               ) -> tuple[hlo.ProgramStats, PricedStep]:
     """The SPMD pipeline plan's program compiled on `mesh` (never run) and priced as `hw`
     runs it: the loop of ticks at its trip count (hlo.analyze)."""
     lowered, pmesh = lower_spmd(fn, args, plan, mesh, donate_argnums)
-    return compile_and_price(lowered, pmesh, plan.mesh, hw, dtype)
+    return compile_and_price(lowered, pmesh, plan.mesh, hw, dtype, widening)
 
 
 def choose_measured(fn, args: Sequence, mesh, hw: HardwareProfile, options: SearchOptions,
@@ -404,10 +419,12 @@ def choose_measured(fn, args: Sequence, mesh, hw: HardwareProfile, options: Sear
     devices = mesh if real else cpu_mesh(shape)
     graph = choice.intra_graph
     dtype = compute_dtype(graph)
-    intra = measure(graph, traced, choice.intra, devices, hw, "intra-op", donate_argnums, dtype)
+    widening = liveness.cpu_widening(graph) if target.widens(devices, hw) else 1.0
+    intra = measure(graph, traced, choice.intra, devices, hw, "intra-op", donate_argnums, dtype,
+                    widening)
     try:
         _, spmd_priced = price_spmd(fn, args, choice.spmd_plan, devices, hw, dtype,
-                                    donate_argnums)
+                                    donate_argnums, widening)
     except Exception as e:  # noqa: BLE001 - the intra-op plan stands
         note = (f"measured: the SPMD pipeline did not compile ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:160]}); kept the cost model's choice")

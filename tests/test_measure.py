@@ -134,7 +134,7 @@ def test_plan_over_budget_once_compiled_is_replanned_under_a_scaled_budget(monke
 
     compiled_peak = {"first": 120.0, "again": 95.0}
 
-    def fake_measure(graph, traced, plan, mesh, hw, name, donate, dtype):
+    def fake_measure(graph, traced, plan, mesh, hw, name, donate, dtype, widening=1.0):
         peak = compiled_peak[plan.solver]
         return measure.MeasuredProgram(name, plan, PricedStep(1.0, 0.0, 1.0, peak, 0.0, {}))
 

@@ -1,0 +1,194 @@
+"""When XLA holds each value of a step: the order its scheduler runs the nodes in (a list
+schedule), which values its fusion never writes, and when each written value is last read; and
+what XLA:CPU's widening of narrow floats adds. intra/memory.py builds its buffers on these."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from shardplan.cost.model import FUSED
+
+# Generators XLA:CPU runs as a loop of their own (threefry, partitioned as the plan says):
+# the two 32-bit words it draws per element are both kept (the bits are their xor, fused
+# into the readers), and the loop's counters are as large again while it runs.
+GENERATORS = frozenset({"random_bits"})
+
+def schedule(graph) -> list[int]:
+    """The position of each node in the order XLA's memory-minimising scheduler would run
+    them, approximated by its list scheduler: of the nodes whose operands are ready, run the
+    one that frees the most bytes net of what it allocates (ties: program order). The
+    jaxpr's own order runs, say, every first moment update of an optimizer before any second
+    one, keeping every gradient alive that XLA frees leaf by leaf."""
+    nodes = graph.nodes
+    producer = {v: node.id for node in nodes for v in node.outputs}
+    readers: dict[int, set[int]] = {}
+    for node in nodes:
+        for v in node.inputs:
+            if v in producer:
+                readers.setdefault(v, set()).add(node.id)
+    pinned = set(graph.outputs)
+    waiting = [len({producer[v] for v in node.inputs if v in producer}) for node in nodes]
+    dependents: dict[int, set[int]] = {}
+    for node in nodes:
+        for v in node.inputs:
+            if v in producer:
+                dependents.setdefault(producer[v], set()).add(node.id)
+    left = {v: len(r) for v, r in readers.items()}
+
+    def priority(i):
+        node = nodes[i]
+        freed = sum(graph.values[v].nbytes for v in set(node.inputs)
+                    if left.get(v) == 1 and v in producer and v not in pinned)
+        made = sum(graph.values[v].nbytes for v in node.outputs)
+        return (made - freed, i)
+
+    heap = [priority(i) for i in range(len(nodes)) if waiting[i] == 0]
+    heapq.heapify(heap)
+    done, pos = set(), [0] * len(nodes)
+    while heap:
+        key, i = heapq.heappop(heap)
+        if i in done or priority(i)[0] != key:
+            if i not in done:
+                heapq.heappush(heap, priority(i))
+            continue
+        pos[i] = len(done)
+        done.add(i)
+        for v in set(nodes[i].inputs):
+            if v in left:
+                left[v] -= 1
+                if left[v] == 1:
+                    # its last reader now frees it: ask that reader again
+                    for j in readers[v]:
+                        if j not in done and waiting[j] == 0:
+                            heapq.heappush(heap, priority(j))
+        for j in sorted(dependents.get(i, ())):
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(heap, priority(j))
+    return pos
+
+
+# Ops XLA's fusion duplicates into every consumer (InstructionFusion: not IsExpensive, and
+# "effectively at most unary": one operand of the result's rank that is not a broadcast). A
+# result of one that only fused ops read is never written; its operand stays live instead
+# until the last of those reads (a dropout mask: the generator's bits kept for the backward).
+_CHEAP = """
+    abs add add_any and ceil clamp convert_element_type eq floor ge gt is_finite le lt max min
+    mul ne neg not or round select_n shift_left shift_right_arithmetic shift_right_logical sign
+    square sub xor bitcast_convert_type copy stop_gradient broadcast_in_dim reshape squeeze
+    transpose slice pad rev iota integer_pow
+"""
+CHEAP = frozenset(_CHEAP.split())
+# Ops that are not fused whatever the table says: XLA:CPU runs them as loops of their own.
+UNFUSED = GENERATORS | {"threefry2x32"}
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                        "argmin", "reduce_and", "reduce_or"})
+
+
+def _unary(graph, node, producer) -> bool:
+    """At most one operand of the result's rank that is not a broadcast or an iota."""
+    out = max((graph.values[v].ndim for v in node.outputs), default=0)
+
+    def big(v):
+        value = graph.values[v]
+        if value.is_literal or value.ndim < out:
+            return False
+        return v not in producer or graph.nodes[producer[v]].primitive not in ("broadcast_in_dim",
+                                                                               "iota")
+    return sum(map(big, node.inputs)) <= 1
+
+
+def _materialised(graph, node, rs) -> bool:
+    """A broadcast that several ops read (a layer norm's scale or 1/std, read in the forward
+    and the backward pass): XLA:CPU writes it once (common subexpressions merged, not fused
+    into the readers) and keeps it from the first read to the last; the live ranges of a GPT
+    on 8 devices held ten activation-sized broadcasts at the peak."""
+    if node.primitive != "broadcast_in_dim" or len(rs) < 2:
+        return False
+    return all(graph.values[o].size > graph.values[node.inputs[0]].size for o in node.outputs)
+
+
+def outer(graph, node, v) -> bool:
+    """An elementwise op of two operands each smaller than its result (a layer norm's
+    1/std [b, s, 1] times its scale [1, 1, h]): XLA:CPU writes both operands broadcast to the
+    result's shape and fuses the product into every reader (the live ranges of a GPT on 8
+    devices), two buffers of the result's size where the model would see one."""
+    if node.primitive not in CHEAP or len(node.inputs) != 2:
+        return False
+    size = graph.values[v].size
+    return all(not graph.values[u].is_literal and graph.values[u].size < size
+               for u in node.inputs)
+
+
+def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
+    """(values XLA never writes, the position of each value's last read). A value is never
+    written when its producer is fused into its readers: an op read once by another fused op,
+    or a cheap unary op (CHEAP) that only fused ops read; the reads of such a value read its
+    producer's operands, so their last read moves to the value's. A reduction's operand is
+    written (XLA:CPU runs a reduction as a library fusion or a reduce-window tree that takes in
+    no producer, or only the last one: counted written, the safe side)."""
+    producer = {v: node.id for node in graph.nodes for v in node.outputs}
+    fused = FUSED - UNFUSED
+    takes_in = fused - REDUCTIONS
+    virtual: set[int] = set()
+    last: dict[int, int] = {}
+    for node in reversed(graph.nodes):
+        for v in node.outputs:
+            rs = readers.get(v, ())
+            if not rs:
+                continue
+            last[v] = max(max(pos[r] for r in rs),
+                          max((last[o] for r in rs for o in graph.nodes[r].outputs
+                               if o in virtual), default=0))
+            if v in outputs or node.primitive not in fused:
+                continue
+            if all(graph.nodes[r].primitive in takes_in for r in rs) and (
+                    len(rs) == 1 or (node.primitive in CHEAP and _unary(graph, node, producer)
+                                     and not _materialised(graph, node, rs))):
+                virtual.add(v)
+    return virtual, last
+
+
+# -- XLA:CPU's view of a narrow-float step ----------------------------------------------------
+
+NARROW_FLOATS = frozenset({"bfloat16", "float16"})
+
+
+def cpu_widening(graph) -> float:
+    """The share of XLA:CPU's temporaries that a device computing in bf16/f16 natively holds.
+
+    XLA:CPU has no bf16 arithmetic: it normalises every bf16 op to f32 (FloatNormalization)
+    and keeps the f32 results between fusions (measured: a bf16 GPT's compiled peak on CPU
+    equals the f32 GPT's, to the byte), so a bf16 step compiled on CPU devices standing in for
+    a GPU or TPU holds its bf16 intermediates twice over. This is the peak of the step's
+    intermediates (not its inputs and outputs, whose buffers keep their dtype) under the
+    memory model's schedule and lifetimes, at their own widths, over the same peak with every
+    narrow float held as f32: 1.0 for a step without narrow floats. A model, not a
+    measurement (the target's program cannot be compiled on CPU): shardplan.measure says so
+    where it uses it."""
+    if not any(v.dtype in NARROW_FLOATS for v in graph.values):
+        return 1.0
+    pos = schedule(graph)
+    readers: dict[int, list[int]] = {}
+    for node in graph.nodes:
+        for v in set(node.inputs):
+            readers.setdefault(v, []).append(node.id)
+    outputs = {v: [j] for j, v in enumerate(graph.outputs)}
+    virtual, last = lifetimes(graph, pos, readers, outputs)
+    n = len(graph.nodes) + 1
+    native, widened = np.zeros(n + 1), np.zeros(n + 1)
+    for node in graph.nodes:
+        for v in node.outputs:
+            value = graph.values[v]
+            if v in virtual or v in outputs or v not in last or value.ndim == 0:
+                continue
+            a, b = pos[node.id], last[v] + 1
+            native[a] += value.nbytes
+            native[b] -= value.nbytes
+            wide = value.size * 4 if value.dtype in NARROW_FLOATS else value.nbytes
+            widened[a] += wide
+            widened[b] -= wide
+    top = float(np.cumsum(widened).max())
+    return float(np.cumsum(native).max()) / top if top > 0 else 1.0
