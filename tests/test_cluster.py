@@ -67,14 +67,15 @@ def test_auto_mesh_with_no_plan_that_fits_says_so():
 
 @pytest.mark.parametrize("shape,names", [((8,), ("devices",)), ((2, 4), ("data", "model"))])
 def test_batch_input_is_split_on_its_batch_dimension_where_it_ties(shape, names):
-    """Every split of x costs the same here (elementwise, then a full sum): the user expects
-    the batch split, and gets it (it was P(None, 'devices'))."""
+    """Every split of x costs the same here (elementwise, then a full sum; x large enough
+    that reading it whole costs more than the sums' latency): the user expects the batch
+    split, and gets it (it was P(None, 'devices'))."""
     def step(w, x):
         g = jnp.tanh(x).sum() * w
         return w - 0.1 * g, jnp.tanh(x).mean()
 
     args = (jax.ShapeDtypeStruct((64,), np.float32),
-            jax.ShapeDtypeStruct((4096, 4096), np.float32))
+            jax.ShapeDtypeStruct((16384, 16384), np.float32))
     plan = shardplan.search(step, *args, cluster="a100-80gb", mesh_shape=shape,
                             axis_names=names, state_argnums=(0,), batch_argnums=(1,))
     spec = plan.input_specs[1]

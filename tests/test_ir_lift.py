@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from shardplan import _compat
+from shardplan.analysis import hlo_flops
 from shardplan.ir.graph import Role
 from shardplan.ir.lift import LiftOptions, lift
 from shardplan.ir.trace import trace
@@ -160,7 +161,9 @@ def test_flax_train_step_roles_ties_and_flops():
     # 3 matmuls per dense layer (fwd, two grads) minus the unneeded input grad of the first
     assert g.primitive_counts()["dot_general"] == 5
     compiled = jax.jit(step).lower(*args).compile()
-    xla = _compat.cost_analysis(compiled)["flops"]
+    # XLA counts a loop's body once (threefry's rounds): its loops at their trip counts
+    xla = (_compat.cost_analysis(compiled)["flops"]
+           + hlo_flops.loop_extra_flops(compiled.as_text()))
     assert g.flops == pytest.approx(xla, rel=0.05)
     assert g.state_bytes() == sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(args[:2]))
 

@@ -187,14 +187,14 @@ class Problem:
     def _node_times_once(self, m: int, strategy: Strategy) -> tuple[float, float]:
         if m < self.num_inputs:
             # The step reads its input and writes the outputs tied to it (input_io_time),
-            # plus a tie-break, not a cost: a batch input split off its leading (batch)
-            # dimension pays a thousandth of its read once more, so that where the two tie,
-            # the batch split the user expects wins.
+            # plus a tie-break, not a cost: a batch input split on a dimension other than
+            # its leading (batch) one pays a thousandth of its read once more, so that where
+            # the two tie, the batch split the user expects wins.
             value = self.graph.values[self.graph.inputs[m]]
             spec = strategy.out_specs[0]
             read = self.cost.value_bytes(value, spec) / self.cost.hardware.mem_bandwidth
             off_batch = (self.graph.input_roles[m] == Role.BATCH and value.shape
-                         and not spec.dims[0] and not spec.is_replicated())
+                         and any(spec.dims[1:]))
             return self.input_io_time(m, spec) + (1e-3 * read if off_batch else 0.0), 0.0
         return self.cost.node_time(self.graph, self.graph.nodes[m - self.num_inputs], strategy)
 
