@@ -24,7 +24,7 @@ from shardplan.emit.pipeline import emit_pipeline
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions
-from shardplan.plan import Plan, fingerprint, load_plan
+from shardplan.plan import Plan, load_plan
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
@@ -169,7 +169,7 @@ class AutoStep:
         mesh = self.mesh
         o = self.options.replace(hints=hints_mod.with_boxes(self.options.hints, args))
         traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
-        fp = fingerprint(traced.in_tree, traced.closed_jaxpr, MeshShape.of(mesh))
+        fp = fingerprint_mod.of_step(traced, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
         multi = distributed.is_multi_controller()
         if self._given_plan is None and multi and o.pipeline is not False:
@@ -292,7 +292,7 @@ def _adopt(plan: Plan, traced: TracedStep, mesh):
                          f"{len(plan.input_specs)} inputs and {len(plan.output_specs)} outputs, "
                          f"this one has {len(graph.inputs)} and {len(graph.outputs)}: {again}")
     if plan.fingerprint is not None:
-        mine = fingerprint(traced.in_tree, traced.closed_jaxpr, actual)
+        mine = fingerprint_mod.of_step(traced, actual)
         if mine.inputs != plan.fingerprint.inputs:
             raise ValueError("the given plan was made for other inputs (their pytree, shapes or "
                              f"dtypes differ from this call's): {again}")

@@ -10,14 +10,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from shardplan import fingerprint, measure
 from shardplan import hints as hints_mod
-from shardplan import measure
 from shardplan.api import _check_fn, _options
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
 from shardplan.ir.trace import trace
 from shardplan.options import SearchOptions
-from shardplan.plan import Plan, fingerprint
+from shardplan.plan import Plan
 from shardplan.search import mesh_shapes
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import fmt_bytes, fmt_seconds
@@ -95,8 +95,7 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
     shape = MeshShape(names, mesh_shape)
     plan, _, _ = measure.plan_measured(traced, shape, hw, options)
-    return dataclasses.replace(plan, fingerprint=fingerprint(traced.in_tree,
-                                                             traced.closed_jaxpr, shape))
+    return dataclasses.replace(plan, fingerprint=fingerprint.of_step(traced, shape))
 
 
 def _search_meshes(fn, abstract_args, hw: HardwareProfile, count: int,

@@ -24,6 +24,31 @@ PLAN_KEYS = ("mesh", "inputs", "outputs", "constraints", "operand_specs", "stage
 """The fields of Plan.to_dict() that decide what runs (not the estimate, timings or notes)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """What a plan was made for, as hashes (checked when a plan is adopted): the inputs
+    (pytree, shapes, dtypes), the function (its jaxpr without source information) and the mesh
+    (axis names and sizes)."""
+
+    inputs: str
+    function: str
+    mesh: str
+
+    @property
+    def key(self) -> str:
+        """One hash of all three."""
+        return digest(f"{self.inputs}/{self.function}/{self.mesh}")[:32]
+
+
+def of_step(traced, mesh) -> Fingerprint:
+    """The Fingerprint of a traced step (shardplan.ir.trace.TracedStep) on `mesh` (a MeshShape);
+    the same in every process (no object addresses)."""
+    avals = [(tuple(a.shape), str(a.dtype)) for a in traced.closed_jaxpr.in_avals]
+    inputs = strip_addresses(f"{traced.in_tree}|{avals}")
+    return Fingerprint(digest(inputs)[:32], traced.jaxpr_digest[:32],
+                       digest(f"{list(mesh.names)}|{list(mesh.sizes)}")[:32])
+
+
 def digest(text: str) -> str:
     """sha256 hex digest of `text`."""
     return hashlib.sha256(text.encode()).hexdigest()
@@ -87,7 +112,7 @@ def step_key(traced) -> dict:
         "roles": [str(r) for r in info.roles],
         "ties": list(info.ties),
         "state_argnums": list(traced.state_argnums),
-        "jaxpr": digest(jaxpr_text(traced.closed_jaxpr)),
+        "jaxpr": traced.jaxpr_digest,
     }
 
 

@@ -5,7 +5,6 @@ plan is found is shardplan.search, how it runs is shardplan.emit."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import os
@@ -20,13 +19,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from shardplan.cost.estimate import Estimate
+from shardplan.fingerprint import Fingerprint
 from shardplan.inter import schedule as schedule_mod
 from shardplan.inter.stages import Stage, device_span
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import fmt_bytes, fmt_seconds
 
 __all__ = ["FORMAT_VERSION", "Estimate", "Fingerprint", "OpRow", "Plan", "PlanFileError",
-           "Stage", "fingerprint", "load_plan"]
+           "Stage", "load_plan"]
 
 FORMAT_VERSION = 2
 """Version 2 added the step's fingerprint and dropped the search time (two processes planning
@@ -39,38 +39,6 @@ class PlanFileError(ValueError):
     def __init__(self, path, what: str):
         super().__init__(f"{path}: {what}")
         self.path, self.what = path, what
-
-
-@dataclasses.dataclass(frozen=True)
-class Fingerprint:
-    """What a plan was made for, as hashes: the inputs (pytree, shapes, dtypes), the function
-    (its jaxpr without source information) and the mesh (axis names and sizes)."""
-
-    inputs: str
-    function: str
-    mesh: str
-
-    @property
-    def key(self) -> str:
-        """One hash of all three (a plan cache's key)."""
-        return _sha(f"{self.inputs}/{self.function}/{self.mesh}")
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
-
-
-def fingerprint(in_tree, closed_jaxpr, mesh: MeshShape) -> Fingerprint:
-    """The Fingerprint of a traced step (`in_tree` the treedef of its positional arguments,
-    `closed_jaxpr` its jaxpr) on `mesh`; the same in every process (no object addresses)."""
-    avals = [(tuple(a.shape), str(a.dtype)) for a in closed_jaxpr.in_avals]
-    inputs = _ADDRESS.sub("", f"{in_tree}|{avals}")
-    text = closed_jaxpr.jaxpr.pretty_print(source_info=False, name_stack=False)
-    return Fingerprint(_sha(inputs), _sha(_ADDRESS.sub("", text)),
-                       _sha(f"{list(mesh.names)}|{list(mesh.sizes)}"))
 
 
 @dataclasses.dataclass(frozen=True)

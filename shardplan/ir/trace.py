@@ -4,11 +4,13 @@ outputs carry the state back."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
+from shardplan import fingerprint
 from shardplan.ir.graph import Role
 from shardplan.ir.lift import ArgInfo
 from shardplan.options import path_str
@@ -25,6 +27,12 @@ class TracedStep:
     state_argnums: tuple[int, ...]
     arg_leaf_counts: tuple[int, ...]
     input_paths: tuple[str, ...] = ()  # '/'-joined, argument index first (options.path_str)
+
+    @functools.cached_property
+    def jaxpr_digest(self) -> str:
+        """Hash of the jaxpr printed without source information (printing a large step takes
+        about a second, so it is done once per trace)."""
+        return fingerprint.digest(fingerprint.jaxpr_text(self.closed_jaxpr))
 
 
 def abstractify(x):
