@@ -129,6 +129,38 @@ def test_reshard_time_over_hosts():
     assert C.reshard_time(SHAPE, F32, spec(None, None), spec("d", "m"), M24, links) == 0.0
 
 
+@pytest.mark.parametrize("mesh", [M8, M24, M222], ids=["8", "2x4", "2x2x2"])
+def test_candidates_per_divisibility_class_scale_to_every_shape(mesh):
+    """Plans are enumerated once per class of shapes (gcd of each dim with the device count)
+    and scaled: the chosen plan is the one enumerated on the shape itself, with and without
+    links."""
+    links = {a: Link(1e9 * (i + 1), 1e-5) for i, a in enumerate(mesh.names)}
+    rng = random.Random(1)
+    specs = _all_specs(2, mesh, True)
+    for _ in range(150):
+        shape = (rng.choice([8, 24, 40, 96, 4096, 6]), rng.choice([16, 12, 50304, 1024, 2]))
+        src, dst = rng.choice(specs), rng.choice([s for s in specs if not s.partial])
+        if not (src.valid_for(shape, mesh) and dst.valid_for(shape, mesh)):
+            continue
+        for lk in (None, links):
+            useful = set(mesh.useful_axes())
+            s2 = ShardSpec(tuple(tuple(a for a in d if a in useful) for d in src.dims),
+                           tuple(a for a in src.partial if a in useful))
+            d2 = ShardSpec(tuple(tuple(a for a in d if a in useful) for d in dst.dims))
+            direct = list(C._candidates(shape, 2, s2, d2, mesh, True))
+            if s2 == d2:
+                continue
+
+            def key(ip, lk=lk):
+                comms = [c for _, c in ip[1] if c]
+                k = (C.comms_bytes(comms, mesh), len(comms), ip[0])
+                return k if lk is None else (C.comms_time(comms, mesh, lk),) + k
+
+            want = min(enumerate(direct), key=key)[1]
+            got = C._plan(shape, 2, src, dst, mesh, True, lk)
+            assert got == want, (shape, src, dst)
+
+
 # -- every plan is realizable: run it on the blocks each device holds -------------------------
 
 

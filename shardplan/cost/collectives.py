@@ -140,8 +140,15 @@ def _best_plan(shape, itemsize, src, dst, mesh, forms_rs, links) -> Plan:
     if src == dst:
         return ()
     link_map = None if links is None else dict(links)
+    # The candidates depend on the shape only through which splits divide it, i.e. through
+    # gcd(dim, devices) per dimension, and their bytes scale with the value's: enumerated once
+    # per such class (a model's many shapes share a few), scaled here.
+    unit = tuple(math.gcd(s, mesh.num_devices) for s in shape)
+    scale, per = itemsize * math.prod(shape), math.prod(unit)
     best, best_key = None, None
-    for index, plan in enumerate(_candidates(shape, itemsize, src, dst, mesh, forms_rs)):
+    for index, unit_plan in enumerate(_unit_candidates(unit, src, dst, mesh, forms_rs)):
+        plan = tuple((op, c and dataclasses.replace(c, nbytes=c.nbytes * scale // per))
+                     for op, c in unit_plan)
         comms = [c for _, c in plan if c]
         key = (comms_bytes(comms, mesh), len(comms), index)
         if link_map is not None:
@@ -149,6 +156,11 @@ def _best_plan(shape, itemsize, src, dst, mesh, forms_rs, links) -> Plan:
         if best_key is None or key < best_key:
             best, best_key = plan, key
     return best
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _unit_candidates(unit, src, dst, mesh, forms_rs) -> tuple[Plan, ...]:
+    return tuple(_candidates(unit, 1, src, dst, mesh, forms_rs))
 
 
 def _candidates(shape, itemsize, src, dst, mesh, forms_rs):
