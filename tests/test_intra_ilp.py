@@ -78,3 +78,22 @@ def test_compress_edge_is_exact():
     rows, cols, reduced = compress_edge(m)
     assert reduced.shape == (3, 4)
     np.testing.assert_array_equal(reduced[rows][:, cols], m)
+
+
+def test_joint_ties_are_broken_the_same_way_every_run():
+    """Chains whose every node may take either of two specs at the same cost, as long as the
+    chain agrees (a value split on one dimension or the other): node-by-node canonicalisation
+    cannot move a chain, and HiGHS can return either optimum depending on the wall clock (the
+    zoo's MoE on 2x4 planned two ways, half and half: tests/test_golden_plans.py). The
+    solver's fixed perturbation makes one of them the optimum, the same in every run."""
+    agree = np.array([[0.0, 1.0], [1.0, 0.0]])
+    costs, edges = [], []
+    for _ in range(4):
+        base = len(costs)
+        costs += [np.full(2, 0.5)] * 3
+        edges += [(base + i, base + i + 1, agree) for i in range(2)]
+    inp = SolverInput(tuple(costs), tuple(edges), time_limit_s=10)
+    sols = [solve(inp) for _ in range(6)]
+    assert len({s.choice for s in sols}) == 1
+    assert sols[0].optimal
+    assert sols[0].objective == pytest.approx(brute_force(inp).objective)

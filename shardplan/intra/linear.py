@@ -25,6 +25,14 @@ if TYPE_CHECKING:  # annotations only: ilp imports this module
 # units where the dearest cost is 1e4), fine enough for the inputs' tie-breaks (problem.py).
 MIP_GAP = 0.0
 
+# HiGHS does not return the same optimum on every run where several tie (its path depends on
+# the wall clock: the same model solved 16 times in one process gave two plans, half and half,
+# with threads=1 too). presolve.canonical maps ties node by node, not ties that several nodes
+# must leave together (a chain of values split on another dimension). So each choice's cost
+# gets a fixed pseudo-random share of PERTURB units (the dearest cost is 1e4 units, so a
+# nanosecond where it is 10 ms): equal plans no longer tie, and every run finds the same one.
+PERTURB = 1e-3
+
 
 class _Sparse:
     """The MIP as arrays: variable bounds and objective, rows as (row, column, value) triplets
@@ -59,10 +67,12 @@ def _sparse(inp: SolverInput) -> tuple[_Sparse, list[np.ndarray]]:
     unit = 1e-4 * cpsat.scale_of(inp)
     model = _Sparse()
     x = []
+    rng = np.random.default_rng(0)
     for c in inp.node_costs:
         c = np.asarray(c, float)
         finite = np.isfinite(c)
-        xs = model.variables(np.zeros(len(c)), finite, np.where(finite, c, 0.0) * unit)
+        obj = np.where(finite, c, 0.0) * unit + PERTURB * rng.random(len(c))
+        xs = model.variables(np.zeros(len(c)), finite, obj)
         model.terms(np.full(len(c), model.rows([1.0], [1.0])[0]), xs, 1.0)
         x.append(xs)
     copy_terms: dict[int, list] = {}
