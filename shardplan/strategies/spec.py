@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -121,9 +122,16 @@ class ShardSpec:
 
 def enumerate_specs(
     shape: Sequence[int], mesh: MeshShape, max_split_dims: int | None = None
-) -> list[ShardSpec]:
+) -> tuple[ShardSpec, ...]:
     """Every valid way to split a value over the useful mesh axes (each axis on at most one
     dimension, in mesh order within a dimension), replicated first."""
+    return _enumerate_specs(tuple(int(s) for s in shape), mesh, max_split_dims)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _enumerate_specs(shape: tuple[int, ...], mesh: MeshShape,
+                     max_split_dims: int | None) -> tuple[ShardSpec, ...]:
+    # asked for once per node and value: a model's few shapes, enumerated once each
     axes = mesh.useful_axes()
     ndim = len(shape)
     out = []
@@ -136,4 +144,4 @@ def enumerate_specs(
         if spec.valid_for(shape, mesh):
             out.append(spec)
     out.sort(key=lambda s: (len(s.used_axes()), str(s)))
-    return out
+    return tuple(out)
