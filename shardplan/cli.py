@@ -17,21 +17,16 @@ Exit codes: see EXIT_CODES (also in `shardplan --help`, the README and docs/cli.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import os
 import sys
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import yaml
 
-import shardplan
-from shardplan import baselines as bl
-from shardplan import bench, calibrate, report
+from shardplan import bench, calibrate
 from shardplan.cli_render import (
     Phases,
     consoles,
@@ -40,14 +35,9 @@ from shardplan.cli_render import (
     print_run,
     write_outputs,
 )
+from shardplan.cli_run import Infeasible, TimedOut, init_cpu_devices, run_search
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError, load_config
-from shardplan.ir.lift import lift
-from shardplan.ir.trace import trace
-from shardplan.measure import compile_and_price as price_program
-from shardplan.measure import completer, cpu_mesh, expert_plans, lower_plan
 from shardplan.plan import PlanFileError, load_plan
-from shardplan.units import Deadline, fmt_bytes
-from shardplan.workload import Workload, build_workload
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_TIMEOUT, EXIT_BENCH_FAILED = (
     0, 1, 2, 3, 4, 5)
@@ -60,217 +50,6 @@ exit codes:
   3  no plan fits the memory budget (the message says the least memory any plan needs)
   4  the search's time limit ran out before any plan was found (raise search.time_limit)
   5  bench: some configs failed (each is named, with why, in bench.md and on stderr)"""
-
-class TimedOut(Exception):
-    """The time limit ran out on every mesh before a plan was found."""
-
-
-class Infeasible(Exception):
-    """No mesh has a plan within the budget; `min_bytes` is the least any plan needs."""
-
-    def __init__(self, message: str, min_bytes: float):
-        super().__init__(message)
-        self.min_bytes = min_bytes
-
-
-# -- devices --------------------------------------------------------------------------------
-
-
-def init_cpu_devices(n: int) -> int:
-    """Ask JAX for at least n CPU devices (before its backend starts); returns how many exist."""
-    current = jax.config.jax_num_cpu_devices
-    with contextlib.suppress(RuntimeError):  # the backend is up already: keep what it has
-        jax.config.update("jax_num_cpu_devices", max(n, current))
-    return len(jax.devices("cpu"))
-
-
-# -- search ---------------------------------------------------------------------------------
-
-
-def search_options(config: Config, work: Workload, notes: list[str]):
-    """The config's SearchOptions for shardplan.search (one program: pipeline planning is not
-    offered by the CLI yet), measuring only where the CPU devices to compile on exist."""
-    options = config.search_options()
-    if options.pipeline in (True, "spmd", "mpmd") or config.search.num_micro_batches > 1:
-        raise ConfigError("search.pipeline", "the shardplan command plans one program "
-                          "(intra-operator parallelism) on each mesh; pipeline stages and "
-                          "micro-batches are planned by shardplan.auto(step, mesh=..., "
-                          "pipeline=True or 'auto') on devices. Set search.pipeline to auto or "
-                          "false and search.num_micro_batches to 1", config.source)
-    if "pipeline" in config.search.model_fields_set and options.pipeline == "auto":
-        notes.append("search.pipeline: auto planned one program (intra-operator parallelism): "
-                     "the shardplan command does not plan pipeline stages; "
-                     "shardplan.auto(step, pipeline='auto') does, on devices")
-    n = config.cluster.mesh.num_devices
-    measure = options.measure and n <= MAX_COMPILE_DEVICES and len(jax.devices("cpu")) >= n
-    return options.replace(pipeline=False, num_micro_batches=None, measure=measure,
-                           state_argnums=work.state_argnums, batch_argnums=work.batch_argnums)
-
-
-def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]):
-    """Plan every candidate mesh, keep the cheapest: (plan, {mesh: estimate or why not})."""
-    hw, budget = config.profile(), config.budget_bytes()
-    options = search_options(config, work, notes)
-    best, tried, infeasible = None, {}, []
-    for names, sizes in config.cluster.mesh.candidates():
-        label = " x ".join(f"{n}={k}" for n, k in zip(names, sizes))
-        how = "trace, strategies, ILP" + (", compiling candidates" if options.measure else "")
-        with phases(f"planning {work.label} on mesh {label} ({how})"):
-            try:
-                plan = shardplan.search(work.fn, *work.args, cluster=hw, mesh_shape=sizes,
-                                        axis_names=names, options=options)
-            except shardplan.InfeasibleMemory as e:
-                infeasible.append(e)
-                tried[label] = f"no plan fits (needs {fmt_bytes(e.min_bytes)})"
-                continue
-            except shardplan.SearchTimeout as e:
-                tried[label] = f"time limit ran out: {str(e).splitlines()[0]}"
-                continue
-        tried[label] = plan.estimate.total_s
-        if best is None or plan.estimate.total_s < best.estimate.total_s:
-            best = plan
-    if best is None and not infeasible:
-        raise TimedOut(f"the time limit of {options.time_limit:g} s ran out before a plan was "
-                       f"found on any mesh ({'; '.join(f'{m}: {t}' for m, t in tried.items())}); "
-                       "raise search.time_limit")
-    if best is None:
-        least = min(e.min_bytes for e in infeasible)
-        raise Infeasible(
-            f"no plan fits the memory budget of {fmt_bytes(budget)} per device on "
-            f"{config.cluster.mesh.num_devices} {hw.name} devices; the smallest memory any plan "
-            f"needs is {fmt_bytes(least)} per device ({least:.0f} bytes). Raise "
-            "cluster.memory_budget, use more devices, or shrink the model or batch.", least)
-    return best, tried
-
-
-# -- compile and price ----------------------------------------------------------------------
-
-
-def _compile_plan(work: Workload, plan, mesh, hw, phases: Phases, notes: list[str]):
-    """The plan's program compiled and priced: (stats, priced), or (None, None) for a pipeline
-    plan, which is not one program."""
-    n = plan.mesh.num_devices
-    with phases(f"compiling the plan with XLA on {n} CPU devices"):
-        try:
-            step = shardplan.auto(work.fn, mesh=mesh, hardware=hw, plan=plan,
-                                  donate_argnums=tuple(work.state_argnums or ()),
-                                  state_argnums=work.state_argnums,
-                                  batch_argnums=work.batch_argnums)
-            return price_program(step.lower(*work.args), mesh, plan.mesh, hw, work.dtype)
-        except Exception as e:  # e.g. a pipeline plan that is not one program
-            if not plan.stages:
-                raise
-            notes.append(f"the pipeline plan was not compiled as one program ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:120]}); its row is the cost model's estimate")
-    return None, None
-
-
-def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: Phases,
-                       notes: list[str]) -> dict[str, Any]:
-    """{expert plan: its program priced, or why not}: data parallel, FSDP, Megatron / 2-D as
-    an expert writes them (shardplan.measure.expert_plans: the expert's input shardings, every
-    intermediate laid out by the ILP around them). The measured search compiled them already
-    (plan.candidates): those are reused; the others are written and compiled here."""
-    measured = {c.name: c for c in plan.candidates}
-    wanted = config.output.baselines
-    if wanted is None:
-        wanted = (list(bl.applicable_baselines(work.step, mesh)) if work.step is not None
-                  else None)
-    results: dict[str, Any] = {}
-    missing = [n for n in (wanted or ()) if n not in measured]
-    if wanted is None or missing:
-        traced = trace(work.fn, work.args, work.state_argnums, work.batch_argnums)
-        graph = lift(traced.closed_jaxpr, traced.arg_info)
-        options = dataclasses.replace(config.search_options(), measure=False)
-        complete = completer(graph, traced, plan.mesh, hw, options, Deadline(options.time_limit),
-                             device_mesh=mesh)
-        written = expert_plans(graph, plan, complete=complete)
-        if wanted is None:
-            wanted = list(written)
-        for name in wanted:
-            if name in measured:
-                continue
-            if name not in written:
-                results[name] = f"not an expert plan of this step on mesh {plan.mesh}"
-                continue
-            with phases(f"compiling expert plan {name}"):
-                try:
-                    lowered = lower_plan(graph, traced, written[name], mesh,
-                                         traced.state_argnums)
-                    _, results[name] = price_program(lowered, mesh, plan.mesh, hw, work.dtype)
-                except Exception as e:  # noqa: BLE001 - one failing plan must not hide others
-                    results[name] = (f"failed: {type(e).__name__}: "
-                                     f"{str(e).splitlines()[0][:120]}")
-    for name in wanted:
-        if name in measured:
-            c = measured[name]
-            results[name] = c.priced if c.priced is not None else f"failed: {c.error}"
-    return {name: results[name] for name in wanted}
-
-
-def compile_and_price(config: Config, work: Workload, plan, phases: Phases, notes: list[str],
-                      want_baselines: bool):
-    """Compile the plan (and the baselines) on CPU devices, price each: (plan stats, priced
-    plan, {baseline: priced or why not}, compile seconds)."""
-    hw = config.profile()
-    n = plan.mesh.num_devices
-    have = len(jax.devices("cpu"))
-    if have < n:
-        notes.append(f"not compiled: JAX runs {have} CPU devices and the mesh needs {n} (it was "
-                     "started before shardplan could ask for more)")
-        return None, None, {}, 0.0
-    start = time.perf_counter()
-    mesh = cpu_mesh(plan.mesh)
-    stats, priced = _compile_plan(work, plan, mesh, hw, phases, notes)
-    results = (_compile_baselines(config, work, plan, mesh, hw, phases, notes)
-               if want_baselines else {})
-    return stats, priced, results, time.perf_counter() - start
-
-
-def run_search(config: Config, *, verify: bool = False, phases: Phases):
-    """Plan a config and compare it: a report.Run."""
-    notes: list[str] = []
-    with phases(f"building {config.model.label} (abstract inputs)"):
-        work = build_workload(config)
-    start = time.perf_counter()
-    plan, tried = plan_config(config, work, phases, notes)
-    search_s = time.perf_counter() - start
-    n = plan.mesh.num_devices
-    compile_ok = n <= MAX_COMPILE_DEVICES
-    stats = priced = None
-    baselines: dict = {}
-    compile_s = 0.0
-    if (config.output.compare or verify) and not compile_ok:
-        notes.append(f"not compiled: the mesh has {n} devices, more than the "
-                     f"{MAX_COMPILE_DEVICES} CPU devices XLA is asked to stand in for; the "
-                     "figures are the cost model's")
-    elif config.output.compare or verify:
-        stats, priced, baselines, compile_s = compile_and_price(
-            config, work, plan, phases, notes, want_baselines=config.output.compare)
-    verification = None
-    label, e = report.model_estimate(plan)
-    if verify and stats is not None and e is not None:
-        verification = report.verification(plan, label, e, stats, priced,
-                                             config.profile().forms_reduce_scatter)
-    if priced is not None and not plan.stages:
-        plan = report.compiled_plan(plan, priced)  # one memory figure per program
-    hw = config.profile()
-    return report.Run(
-        label=work.label, description=config.description, hardware=hw.name,
-        budget=config.budget_bytes(), plan=plan, num_params=work.num_params, dtype=work.dtype,
-        priced_plan=priced, searched=_searched(plan, priced), baselines=baselines, meshes=tried,
-        verification=verification,
-        search_s=search_s, compile_s=compile_s, schedule=config.search.schedule,
-        num_micro_batches=config.search.num_micro_batches, notes=tuple(notes))
-
-
-def _searched(plan, priced):
-    """The searched plan alone, priced: the measured selection's "searched" candidate, else
-    the plan itself (nothing was measured: the plan is the searched one)."""
-    if not plan.candidates:
-        return priced
-    return next((c.priced for c in plan.candidates if c.name == "searched"), None)
-
 
 # -- commands -------------------------------------------------------------------------------
 
