@@ -79,6 +79,7 @@ class MeasuredProgram:
     plan: Plan
     priced: PricedStep | None = None
     error: str = ""
+    stats: hlo.ProgramStats | None = None  # the compiled program's collectives, flops, memory
 
     def fits(self, budget: float | None) -> bool:
         return self.priced is not None and (budget is None or self.priced.peak_bytes <= budget)
@@ -207,13 +208,13 @@ def measure(graph: Graph, traced: TracedStep, plan: Plan, mesh, hw: HardwareProf
     """Compile and price one plan (`widening`: compile_and_price's); a failure to compile is
     recorded, not raised."""
     try:
-        _, priced = compile_and_price(lower_plan(graph, traced, plan, mesh, donate_argnums),
-                                      mesh, plan.mesh, hw, dtype or compute_dtype(graph),
-                                      widening)
+        stats, priced = compile_and_price(lower_plan(graph, traced, plan, mesh, donate_argnums),
+                                          mesh, plan.mesh, hw, dtype or compute_dtype(graph),
+                                          widening)
     except Exception as e:  # noqa: BLE001 - one candidate failing must not sink the others
         return MeasuredProgram(name, plan, None,
                                f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-    return MeasuredProgram(name, plan, priced)
+    return MeasuredProgram(name, plan, priced, stats=stats)
 
 
 def _measured_estimate(c: MeasuredProgram) -> Estimate:
