@@ -138,10 +138,11 @@ class PipelinedGrad:
         if lt.obstacle is not None:
             raise ValueError(f"SPMD pipeline: {lt.obstacle}; plan with pipeline=False")
         diff_tree = jax.tree_util.tree_structure(tuple(args[a % len(args)] for a in nums))
+        body_specs, post_specs = layer_scan.split_operand_specs(dict(self.operand_specs))
         if self.schedule == "1f1b":
             loss, grads = spmd_1f1b.pipelined_loss_and_grad(
                 lt, flat, diff, self.mesh, self.num_stages, self.num_micro_batches,
-                self.carry_specs, dict(self.operand_specs))
+                self.carry_specs, body_specs, post_specs)
             out = jax.tree_util.tree_unflatten(lt.out_tree, [loss])
             grads = jax.tree_util.tree_unflatten(diff_tree, grads)
             return ((out[0], out[1]) if has_aux else out,
@@ -150,14 +151,21 @@ class PipelinedGrad:
 
         def rewrite(eqn, ins):
             return pipelined_scan(eqn, ins, micro_eqn, self.mesh, self.num_stages,
-                                  self.num_micro_batches, self.carry_specs,
-                                  dict(self.operand_specs))
+                                  self.num_micro_batches, self.carry_specs, body_specs)
 
         def loss(diff_args):
             leaves = list(flat)
             for i, x in zip(diff, jax.tree_util.tree_leaves(diff_args)):
                 leaves[i] = x
-            outs = interpret.eval_jaxpr(lt.full, leaves, {lt.scan.index: rewrite})
+            # up to the scan as traced, the scan pipelined, the head and loss in the full
+            # step's plan's layouts
+            jaxpr, consts = _compat.open_jaxpr(lt.full)
+            env = dict(zip(jaxpr.constvars, consts))
+            env.update(zip(jaxpr.invars, leaves))
+            k = lt.scan.index
+            interpret.run_eqns(jaxpr.eqns[:k + 1], env, {k: rewrite})
+            interpret.run_leaves(jaxpr.eqns[k + 1:], env, layer_scan.constrained(post_specs))
+            outs = [interpret.read_var(env, v) for v in jaxpr.outvars]
             out = jax.tree_util.tree_unflatten(lt.out_tree, outs)
             return (out[0], out[1]) if has_aux else out
 

@@ -274,6 +274,28 @@ def held(values: Sequence, specs: Sequence | None, lead: int = 0) -> list:
             for v, p in zip(values, specs)]
 
 
+def post_key(i: int) -> int:
+    """The key an SPMD plan's operand_specs give leaf equation i after the scan over layers
+    (the head and loss): negative, where the layer body's equations have their own index."""
+    return -1 - i
+
+
+def split_operand_specs(specs: Mapping[tuple[int, int], Any]) -> tuple[dict, dict]:
+    """An SPMD plan's operand layouts as (the layer body's {(equation, operand): spec}, the
+    equations after the scan's {(equation, operand): spec}) (post_key)."""
+    body = {k: v for k, v in specs.items() if k[0] >= 0}
+    post = {(post_key(k[0]), k[1]): v for k, v in specs.items() if k[0] < 0}
+    return body, post
+
+
+def constrained(specs: Mapping[tuple[int, int], Any]) -> Callable:
+    """operand(i, j, x) for interpret.eval_leaves / run_leaves: `x` held in specs[(i, j)]."""
+    def operand(i, j, x):
+        spec = specs.get((i, j))
+        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+    return operand
+
+
 def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None,
                  operand_specs: Mapping[tuple[int, int], Any] | None = None):
     """layers(consts, carry, xs) -> carry: the scan's own body over `num_layers` layers (one
@@ -285,10 +307,7 @@ def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None
     operand index) -> PartitionSpec): the layouts the plan's layer reads its operands in (the
     stage's intra-op plan applied inside the layer; spmd_cost.body_operand_specs)."""
     given = dict(operand_specs or {})
-
-    def operand(i, j, x):
-        spec = given.get((i, j))
-        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+    operand = constrained(given)
     body, nk = micro_eqn.params["jaxpr"], micro_eqn.params["num_carry"]
 
     def hold(c):

@@ -238,7 +238,7 @@ def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], Sh
     its nodes in order by primitive and output shapes (an equation not found, or a call such as
     remat whose body the graph inlined, is left to XLA). Partial specs are left out."""
     fwd, _ = layer_loops(stage.graph, lt)
-    graph, intra = stage.graph, stage.intra
+    graph = stage.graph
     outer = [lp for lp in sorted(fwd) if graph.loops[lp].parent not in fwd]
     if not outer:
         return {}
@@ -247,8 +247,31 @@ def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], Sh
     nodes = [graph.nodes[n] for n in loop.bodies[-1].nodes
              if graph.nodes[n].loop == loop.id and n not in pseudo]
     body = lt.micro.jaxpr.eqns[lt.micro_scan.index].params["jaxpr"].jaxpr
+    return _matched_specs(interpret.leaf_eqns(body), nodes, stage)
+
+
+def post_operand_specs(p: Priced, lt: LossTrace, micro: bool) -> dict[tuple[int, int], ShardSpec]:
+    """The layouts the plan `p` (of the micro-batch step if `micro`, else of the full step)
+    reads each operand of the loss's equations after the scan over layers in (the head and
+    loss): {(leaf equation index among them, operand index): spec}, matched in order to the
+    plan's top-level nodes after its forward scan over layers (as body_operand_specs)."""
+    fwd, _ = layer_loops(p.graph, lt)
+    graph = p.graph
+    outer = [lp for lp in sorted(fwd) if graph.loops[lp].parent not in fwd]
+    if not outer:
+        return {}
+    after = max(graph.loops[outer[0]].leave)
+    nodes = [n for n in graph.nodes if n.loop is None and n.id > after]
+    closed, scan = (lt.micro, lt.micro_scan) if micro else (lt.full, lt.scan)
+    return _matched_specs(interpret.leaf_eqns(closed.jaxpr.eqns[scan.index + 1:]), nodes, p)
+
+
+def _matched_specs(eqns, nodes, p: Priced) -> dict[tuple[int, int], ShardSpec]:
+    """{(i, j): spec}: equation i of `eqns` matched to the next of `nodes` (in order) with its
+    primitive and output shapes, its operand j read in that node's strategy's spec."""
+    graph, intra = p.graph, p.intra
     out, at = {}, 0
-    for i, eqn in enumerate(interpret.leaf_eqns(body)):
+    for i, eqn in enumerate(eqns):
         shapes = [tuple(v.aval.shape) for v in eqn.outvars]
         # the node's inputs: every operand, or (lift drops literals) the non-literal ones
         operands = [j for j, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
@@ -365,3 +388,4 @@ def _post_param_bytes(lt: LossTrace) -> float:
             if not isinstance(v, Literal) and v in full}
     return float(sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in read
                      if tuple(v.aval.shape) == tuple(full[v].shape)))
+
