@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplan import _compat
@@ -164,7 +164,8 @@ class PipelinedGrad:
             env.update(zip(jaxpr.invars, leaves))
             k = lt.scan.index
             interpret.run_eqns(jaxpr.eqns[:k + 1], env, {k: rewrite})
-            interpret.run_leaves(jaxpr.eqns[k + 1:], env, layer_scan.constrained(post_specs))
+            interpret.run_leaves(jaxpr.eqns[k + 1:], env, layer_scan.constrained(
+                {key: NamedSharding(self.mesh, spec) for key, spec in post_specs.items()}))
             outs = [interpret.read_var(env, v) for v in jaxpr.outvars]
             out = jax.tree_util.tree_unflatten(lt.out_tree, outs)
             return (out[0], out[1]) if has_aux else out

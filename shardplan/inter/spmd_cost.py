@@ -163,10 +163,12 @@ class _Parts:
     carry_bytes: float
     resid_bytes: float
     carries: tuple[ShardSpec, ...]
-    partial_grads: tuple[tuple[float, tuple[str, ...]], ...] = ()
-    """(bytes per device, mesh axes) of each per-layer value the backward scan stacks as a
-    partial sum (a weight's gradient over split rows): the plan reduces it once after the
-    loop, the pipeline's accumulator at every tick."""
+    partial_grads: tuple[tuple[float, tuple[str, ...], bool], ...] = ()
+    """(bytes per device, mesh axes, whether the stacked result is split over them) of each
+    per-layer value the backward scan stacks as a partial sum (a weight's gradient over split
+    rows): the plan reduces it once after the loop, the pipeline's accumulator at every tick
+    (a reduce-scatter where the result is split and the target forms them, else an
+    all-reduce)."""
 
 
 def node_flops(p: Priced, nodes) -> float:
@@ -216,8 +218,10 @@ def _parts(p: Priced, lt: LossTrace, batch: int) -> _Parts:
             node = graph.nodes[n]
             spec = intra.value_specs.get(node.inputs[0]) if node.inputs else None
             if node.primitive == "loop_stack" and spec is not None and spec.partial:
+                out = intra.value_specs.get(node.outputs[0])
+                split = out is not None and any(a in spec.partial for d in out.dims for a in d)
                 partial.append((graph.values[node.inputs[0]].nbytes
-                                / spec.num_shards(intra.mesh), tuple(spec.partial)))
+                                / spec.num_shards(intra.mesh), tuple(spec.partial), split))
     return _Parts(fwd, bwd, cost(n.id for n in graph.nodes if n.loop in fwd),
                   cost(n.id for n in graph.nodes if n.loop in bwd), cost(post), carry_bytes,
                   resid, tuple(carries), tuple(partial))
@@ -341,13 +345,16 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
                           for x in reduced)
     # the layers' gradients summed into the stage's accumulator every tick: a partial one is
     # reduced there (the plan reduced it once, after its backward scan)
-    per_layer = math.fsum(ring.collective_time("all-reduce", b, axes, mesh, links)
-                          for b, axes in small.partial_grads)
+    def reduce(b, axes, split):
+        kind = "reduce-scatter" if split and hw.forms_reduce_scatter else "all-reduce"
+        return ring.collective_time(kind, b, axes, mesh, links)
+
+    per_layer = math.fsum(reduce(*g) for g in small.partial_grads)
     grad_reduce = ticks * per_layer * lt.scan.length / S
     # the full-batch plan (`rest`) reduces its partial ones once, after its backward scan;
     # the pipeline does not (its accumulator is reduced at every tick, above or in B)
-    once = math.fsum(ring.collective_time("all-reduce", b * lt.scan.length, axes, mesh, links)
-                     for b, axes in big.partial_grads)
+    once = math.fsum(reduce(b * lt.scan.length, axes, split)
+                     for b, axes, split in big.partial_grads)
     rest_k = max(rest_k - once, 0.0)
     sub = full.intra.mesh
     stacked = set(lt.scan.xs_shapes)
