@@ -188,9 +188,10 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
         def pick(stack, m):
             return jax.lax.dynamic_index_in_dim(stack, jnp.clip(m, 0, M - 1), keepdims=False)
 
-        def put(stack, m, value, ok):
-            new = jax.lax.dynamic_update_index_in_dim(stack, value, jnp.clip(m, 0, M - 1), 0)
-            return jnp.where(ok, new, stack)
+        def put(stack, m, value, ok):  # the slot chosen, not the stack (spmd.pipelined_scan)
+            at = jnp.clip(m, 0, M - 1)
+            old = jax.lax.dynamic_index_in_dim(stack, at, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(stack, jnp.where(ok, value, old), at, 0)
 
         def tick(t, loop):
             (act, cot, ring, g_local, g_consts, g_args, g_pre, g_carry, loss) = loop

@@ -17,6 +17,7 @@ dimension is the carry's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -294,6 +295,33 @@ def constrained(specs: Mapping[tuple[int, int], Any]) -> Callable:
         spec = specs.get((i, j))
         return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
     return operand
+
+
+def held_cotangent(values: Sequence, specs: Sequence | None, lead: int = 0) -> list:
+    """`values` themselves, their cotangents constrained as `held` constrains activations:
+    where a loop reads a stack of them per tick (GPipe's outputs, whose cotangent comes from
+    the head at full batch, split over the batch rows), the stack is laid out once before the
+    loop instead of gathered at every tick."""
+    if specs is None:
+        return list(values)
+    return [_ct_held(v, jax.sharding.PartitionSpec(*[None] * lead, *p))
+            for v, p in zip(values, specs)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _ct_held(x, spec):
+    return x
+
+
+def _ct_held_fwd(x, spec):
+    return x, None
+
+
+def _ct_held_bwd(spec, _, ct):
+    return (jax.lax.with_sharding_constraint(ct, spec),)
+
+
+_ct_held.defvjp(_ct_held_fwd, _ct_held_bwd)
 
 
 def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None,
