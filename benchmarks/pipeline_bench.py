@@ -9,8 +9,9 @@ With --spmd: the SPMD pipeline instead (the zoo's GPT with its layers scanned, o
 shard_map over a `stage` axis) for 2, 4 and 8 stages against the intra-op plan of the same
 step on the whole mesh, both by the cost model, and compiled on CPU devices and priced by the
 profile where --compile names the cluster (abstract inputs: nothing allocated; 8x8 takes 64
-CPU devices; both clusters at full size, 32 layers, batch 64, f32, compile and price in about
-3 minutes here), and what pipeline="auto" keeps by the estimate and as priced:
+CPU devices; both clusters at full size, 32 layers, batch 64, f32, both schedules, compile
+and price in about 7 minutes here), and what pipeline="auto" keeps by the estimate and as
+priced:
 
     .venv/bin/python benchmarks/pipeline_bench.py --spmd --size 6.7b --batch 64 \
         --dtype float32 --compile 2x4,8x8 --schedules gpipe,1f1b
