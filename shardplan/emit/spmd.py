@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardplan import _compat
@@ -144,6 +144,7 @@ class PipelinedGrad:
             raise ValueError(f"SPMD pipeline: {lt.obstacle}; plan with pipeline=False")
         diff_tree = jax.tree_util.tree_structure(tuple(args[a % len(args)] for a in nums))
         body_specs, post_specs = layer_scan.split_operand_specs(dict(self.operand_specs))
+        # post_specs: 1F1B's (its head runs in the loop); GPipe's runs as traced
         if self.schedule == "1f1b":
             loss, grads = spmd_1f1b.pipelined_loss_and_grad(
                 lt, flat, diff, self.mesh, self.num_stages, self.num_micro_batches,
@@ -162,16 +163,7 @@ class PipelinedGrad:
             leaves = list(flat)
             for i, x in zip(diff, jax.tree_util.tree_leaves(diff_args)):
                 leaves[i] = x
-            # up to the scan as traced, the scan pipelined, the head and loss in the full
-            # step's plan's layouts
-            jaxpr, consts = _compat.open_jaxpr(lt.full)
-            env = dict(zip(jaxpr.constvars, consts))
-            env.update(zip(jaxpr.invars, leaves))
-            k = lt.scan.index
-            interpret.run_eqns(jaxpr.eqns[:k + 1], env, {k: rewrite})
-            interpret.run_leaves(jaxpr.eqns[k + 1:], env, layer_scan.constrained(
-                {key: NamedSharding(self.mesh, spec) for key, spec in post_specs.items()}))
-            outs = [interpret.read_var(env, v) for v in jaxpr.outvars]
+            outs = interpret.eval_jaxpr(lt.full, leaves, {lt.scan.index: rewrite})
             out = jax.tree_util.tree_unflatten(lt.out_tree, outs)
             return (out[0], out[1]) if has_aux else out
 

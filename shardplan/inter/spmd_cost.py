@@ -254,20 +254,20 @@ def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], Sh
     return _matched_specs(interpret.leaf_eqns(body), nodes, stage)
 
 
-def post_operand_specs(p: Priced, lt: LossTrace, micro: bool) -> dict[tuple[int, int], ShardSpec]:
-    """The layouts the plan `p` (of the micro-batch step if `micro`, else of the full step)
-    reads each operand of the loss's equations after the scan over layers in (the head and
-    loss): {(leaf equation index among them, operand index): spec}, matched in order to the
-    plan's top-level nodes after its forward scan over layers (as body_operand_specs)."""
-    fwd, _ = layer_loops(p.graph, lt)
-    graph = p.graph
+def post_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], ShardSpec]:
+    """The layouts the micro-batch step's plan `stage` reads each operand of the loss's
+    equations after the scan over layers in (the head and loss, which 1F1B runs every tick):
+    {(leaf equation index among them, operand index): spec}, matched in order to the plan's
+    top-level nodes after its forward scan over layers (as body_operand_specs)."""
+    fwd, _ = layer_loops(stage.graph, lt)
+    graph = stage.graph
     outer = [lp for lp in sorted(fwd) if graph.loops[lp].parent not in fwd]
     if not outer:
         return {}
     after = max(graph.loops[outer[0]].leave)
     nodes = [n for n in graph.nodes if n.loop is None and n.id > after]
-    closed, scan = (lt.micro, lt.micro_scan) if micro else (lt.full, lt.scan)
-    return _matched_specs(interpret.leaf_eqns(closed.jaxpr.eqns[scan.index + 1:]), nodes, p)
+    eqns = lt.micro.jaxpr.eqns[lt.micro_scan.index + 1:]
+    return _matched_specs(interpret.leaf_eqns(eqns), nodes, stage)
 
 
 def _matched_specs(eqns, nodes, p: Priced) -> dict[tuple[int, int], ShardSpec]:
