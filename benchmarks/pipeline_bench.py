@@ -9,11 +9,12 @@ With --spmd: the SPMD pipeline instead (the zoo's GPT with its layers scanned, o
 shard_map over a `stage` axis) for 2, 4 and 8 stages against the intra-op plan of the same
 step on the whole mesh, both by the cost model, and compiled on CPU devices and priced by the
 profile where --compile names the cluster (abstract inputs: nothing allocated; 8x8 takes 64
-CPU devices; both clusters at full size, 32 layers, batch 64, f32, compile and price in about
-3 minutes here), and what pipeline="auto" keeps by the estimate and as priced:
+CPU devices; both clusters at full size, 32 layers, batch 64, f32, both schedules, compile
+and price in about 7 minutes here), and what pipeline="auto" keeps by the estimate and as
+priced:
 
     .venv/bin/python benchmarks/pipeline_bench.py --spmd --size 6.7b --batch 64 \
-        --dtype float32 --compile 2x4,8x8
+        --dtype float32 --compile 2x4,8x8 --schedules gpipe,1f1b
 
 The model is the zoo's GPT with a shardplan.stage_boundary after every block but the last,
 so the layers are the blocks (the embedding rides with the first, the head with the last).
@@ -197,9 +198,10 @@ def scanned_gpt_step(size: str, batch: int, dtype: str):
     return step, (params, jax.eval_shape(opt.init, params), {"input_ids": ids, "labels": ids})
 
 
-def run_spmd(size: str, batch: int, micro: int | None, dtype: str, which, compile_on) -> list:
-    """The SPMD pipeline of 2, 4, 8 stages against the intra-op plan, estimated and (for the
-    clusters in `compile_on`) compiled on CPU devices and priced."""
+def run_spmd(size: str, batch: int, micro: int | None, dtype: str, which, compile_on,
+             schedules=("1f1b",)) -> list:
+    """The SPMD pipeline of 2, 4, 8 stages (each of `schedules`) against the intra-op plan,
+    estimated and (for the clusters in `compile_on`) compiled on CPU devices and priced."""
     step, args = scanned_gpt_step(size, batch, dtype)
     traced = trace(step, args)
     rows = []
@@ -216,23 +218,24 @@ def run_spmd(size: str, batch: int, micro: int | None, dtype: str, which, compil
             dt = measure.compute_dtype(graph)
             row["intra_priced"] = measure.measure(graph, traced, intra, cpu, hw, "intra",
                                                   traced.state_argnums, dt).priced
-        for S in (2, 4, 8):
+        for S, sched in [(S, x) for x in schedules for S in (2, 4, 8)]:
             o = SearchOptions(pipeline="spmd", num_stages=S, num_micro_batches=micro,
-                              schedule="1f1b")
+                              schedule=sched)
             t0 = time.perf_counter()
             try:
                 c = choose(step, args, mesh, hw, o, traced=traced)
             except ValueError as e:
-                row["spmd"][S] = {"error": str(e)[:120]}
+                row["spmd"][(sched, S)] = {"error": str(e)[:120]}
                 continue
             r = {"estimate": c.plan.estimate.total_s, "M": c.plan.num_micro_batches,
+                 "schedule": "GPipe" if sched == "gpipe" else "1F1B",
                  "bubble": c.plan.estimate.bubble_fraction, "plan_s": time.perf_counter() - t0,
                  "note": c.plan.notes[-1]}
             if compiled:
                 _, priced = measure.price_spmd(step, args, c.plan, cpu, hw, dt,
                                                traced.state_argnums)
                 r["priced"] = priced
-            row["spmd"][S] = r
+            row["spmd"][(sched, S)] = r
         rows.append(row)
     return rows
 
@@ -249,11 +252,13 @@ def spmd_table(rows) -> str:
     for r in rows:
         est_label = "intra-op (full-step ILP)"
         lines.append(cells(r["cluster"], r["intra"], r.get("intra_priced")))
-        for S, x in r["spmd"].items():
+        for (sched, S), x in r["spmd"].items():
             if "error" in x:
-                lines.append(f"| {r['cluster']} | SPMD {S} stages | {x['error']} | - | - |")
+                lines.append(f"| {r['cluster']} | SPMD {sched} {S} stages | {x['error']} | - "
+                             "| - |")
                 continue
-            est_label = f"SPMD 1F1B {S} stages, M={x['M']}, bubble {x['bubble']:.0%}"
+            est_label = (f"SPMD {x['schedule']} {S} stages, M={x['M']}, bubble "
+                         f"{x['bubble']:.0%}")
             lines.append(cells(r["cluster"], x["estimate"], x.get("priced")))
     lines.append("")
     for r in rows:
@@ -272,11 +277,11 @@ def _pick(row, by: str) -> str:
         return x["priced"].total_s if x.get("priced") is not None else None
 
     intra = row["intra"] if by == "estimate" else row["intra_priced"].total_s
-    best = min(((t, S) for S, x in row["spmd"].items() if (t := time_of(x)) is not None),
-               default=None)
+    best = min(((t, S, x["schedule"]) for (_, S), x in row["spmd"].items()
+                if (t := time_of(x)) is not None), default=None)
     if best is None or best[0] >= intra:
         return "the intra-op plan"
-    return f"the SPMD pipeline of {best[1]} stages ({intra / best[0]:.2f}x)"
+    return f"the SPMD pipeline of {best[1]} stages, {best[2]} ({intra / best[0]:.2f}x)"
 
 
 def main(argv=None):
@@ -294,15 +299,19 @@ def main(argv=None):
     p.add_argument("--compile", default="2x4",
                    help="clusters whose programs are compiled on CPU devices and priced "
                         "(--spmd; 8x8 takes 64 CPU devices)")
+    p.add_argument("--schedules", default="1f1b",
+                   help="--spmd: the pipeline schedules to compare, e.g. gpipe,1f1b")
     a = p.parse_args(argv)
     if a.spmd:
         on = [c for c in a.compile.split(",") if c]
         n = max([int(np.prod(clusters()[c][1])) for c in on] + [1])
         jax.config.update("jax_num_cpu_devices", n)
-        rows = run_spmd(a.size, a.batch, a.micro_batches, a.dtype, a.clusters.split(","), on)
+        rows = run_spmd(a.size, a.batch, a.micro_batches, a.dtype, a.clusters.split(","), on,
+                        tuple(a.schedules.split(",")))
         for r in rows:
-            for S, x in r["spmd"].items():
-                print(f"== {r['cluster']} SPMD {S} stages:", x.get("note", x.get("error")))
+            for (sched, S), x in r["spmd"].items():
+                print(f"== {r['cluster']} SPMD {sched} {S} stages:",
+                      x.get("note", x.get("error")))
         print()
         print("step times priced as a100-80gb: the cost model's estimate, and the program "
               "compiled by XLA on CPU devices standing in for the cluster")

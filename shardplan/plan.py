@@ -68,6 +68,9 @@ class Plan:
     estimate: Estimate
     operand_specs: Mapping[tuple[int, int], tuple[ShardSpec, ...]] = dataclasses.field(
         default_factory=dict)
+    """(node, operand) -> the layouts the operand is moved through; for an SPMD pipeline,
+    (equation of the layer body, operand), and under negative keys (layer_scan.post_key) the
+    head's and loss's equations after the scan (1F1B)."""
     memory_budget: float | None = None
     ops: tuple[OpRow, ...] = ()
     stages: tuple[Stage, ...] = ()

@@ -56,17 +56,36 @@ class UseSite:
 _DEVICE_INDEX = ("partition-id", "replica-id")
 
 
-def _reads_a_slice(user: hlo_parse.Instr, elements: int, n: int, users: Users) -> bool:
-    """Whether `user` keeps only a device-indexed 1/n slice of an operand of `elements`."""
+def _reads_a_slice(user: hlo_parse.Instr, operand: str, elements: int, n: int, users: Users,
+                   module: hlo_parse.Module) -> bool:
+    """Whether `user` keeps only a device-indexed 1/n slice of its `operand` of `elements`: a
+    dynamic-slice; a fusion taking the device index whose results are 1/n of it; or a fusion
+    that reads it only through dynamic-slices of 1/n of it (XLA:CPU hoists the device's offset
+    out of a loop and fuses the slice with what it feeds, e.g. the dynamic-update-slice that
+    stacks a scan's per-layer gradients)."""
     if user.opcode == "dynamic-slice":
-        pass
-    elif user.opcode == "fusion":
-        names = [op.split()[-1].lstrip("%") for op in hlo_parse.split_top(user.operands)]
-        if not any(users.opcode(x) in _DEVICE_INDEX for x in names):
-            return False
-    else:
+        return _small(user.shape, elements, n)
+    if user.opcode != "fusion":
         return False
-    out = hlo_parse.arrays(user.shape)
+    names = [op.split()[-1].lstrip("%") for op in hlo_parse.split_top(user.operands)]
+    if any(users.opcode(x) in _DEVICE_INDEX for x in names) and _small(user.shape, elements, n):
+        return True
+    called = re.findall(r"%?([^\s{},%]+)", user.attrs.get("calls", ""))
+    body = module.computations.get(called[0]) if called else None
+    if body is None or operand not in names:
+        return False
+    bound = {str(k) for k, x in enumerate(names) if x == operand}
+    params = {i.name for i in body if i.opcode == "parameter" and i.operands.strip() in bound}
+    readers = [i for i in body if any(op.split()[-1].lstrip("%") in params
+                                      for op in hlo_parse.split_top(i.operands))]
+    return bool(readers) and all(i.opcode == "dynamic-slice" and _small(i.shape, elements, n)
+                                 and hlo_parse.split_top(i.operands)[0].split()[-1].lstrip("%")
+                                 in params for i in readers)
+
+
+def _small(shape: str, elements: int, n: int) -> bool:
+    """Whether every array of `shape` is at most 1/n of `elements`."""
+    out = hlo_parse.arrays(shape)
     return bool(out) and all(math.prod(d) * n <= elements for d, _ in out)
 
 
@@ -96,8 +115,8 @@ def _element_readers(users: Users, name: str, k: int, is_tuple: bool) -> list[tu
 
 
 def _final_readers(pairs: list[tuple[hlo_parse.Instr, str]], users: Users,
-                   module: hlo_parse.Module) -> list[hlo_parse.Instr]:
-    """The readers, with dtype conversions replaced by their own readers, and a further
+                   module: hlo_parse.Module) -> list[tuple[hlo_parse.Instr, str]]:
+    """(reader, the value it reads), with dtype conversions replaced by their own readers, and a further
     all-reduce over other devices (XLA:CPU reduces a sum over two mesh axes in two steps) by
     the readers of its result (a few steps at most)."""
     for _ in range(3):
@@ -114,7 +133,7 @@ def _final_readers(pairs: list[tuple[hlo_parse.Instr, str]], users: Users,
                     continue
             expanded.append((r, src))
         pairs = expanded
-    return [r for r, _ in pairs]
+    return pairs
 
 
 def sliced_bytes(result: str, site: UseSite, n: int, module: hlo_parse.Module) -> int:
@@ -129,7 +148,8 @@ def sliced_bytes(result: str, site: UseSite, n: int, module: hlo_parse.Module) -
         elements = math.prod(dims)
         pairs = _element_readers(site.users, site.name, k, is_tuple)
         readers = _final_readers(pairs, site.users, module)
-        if readers and all(_reads_a_slice(u, elements, n, site.users) for u in readers):
+        if readers and all(_reads_a_slice(u, src, elements, n, site.users, module)
+                           for u, src in readers):
             total += hlo_parse.nbytes([(dims, ty)])
     return total
 

@@ -29,6 +29,7 @@ from shardplan import _compat
 from shardplan.inter.layer_scan import (
     STAGE_AXIS,
     LossTrace,
+    constrained,
     held,
     stage_layers,
     stage_psum,
@@ -108,24 +109,28 @@ class Cut:
         interpret.run_eqns(self.pre, env)
         return [interpret.read_var(env, v) for v in wanted]
 
-    def run_post(self, y, args, rows, pre):
+    def run_post(self, y, args, rows, pre, specs: Mapping | None = None):
+        """The loss's equations after the scan, reading their operands in `specs` ({(leaf
+        equation, operand): PartitionSpec}, the plan's; layer_scan.post_key)."""
         env = dict(self.consts)
         env.update(zip(self.scan_out, y))
         env.update(zip(self.post_args, args))
         env.update(zip(self.post_rows, rows))
         env.update(zip(self.post_pre, pre))
-        interpret.run_eqns(self.post, env)
+        interpret.run_leaves(self.post, env, constrained(specs or {}))
         return [interpret.read_var(env, v) for v in self.outvars]
 
 
 def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], mesh: Mesh,
                             num_stages: int, num_micro_batches: int,
                             carry_specs: Sequence | None = None,
-                            operand_specs: Mapping | None = None):
+                            operand_specs: Mapping | None = None,
+                            post_specs: Mapping | None = None):
     """(loss, gradient leaves of the flat positions `diff`) of the traced loss, by a 1F1B
     SPMD pipeline over the mesh's stage axis; `carry_specs`: the PartitionSpecs the layers
     hold the carry in, `operand_specs` the layouts a layer reads its operands in
-    (layer_scan.stage_layers)."""
+    (layer_scan.stage_layers), `post_specs` those the head and loss read theirs in (every
+    tick, on one micro-batch: the micro-batch plan's)."""
     S, M = num_stages, num_micro_batches
     B = lt.scan.batch
     L = lt.scan.length
@@ -183,9 +188,10 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
         def pick(stack, m):
             return jax.lax.dynamic_index_in_dim(stack, jnp.clip(m, 0, M - 1), keepdims=False)
 
-        def put(stack, m, value, ok):
-            new = jax.lax.dynamic_update_index_in_dim(stack, value, jnp.clip(m, 0, M - 1), 0)
-            return jnp.where(ok, new, stack)
+        def put(stack, m, value, ok):  # the slot chosen, not the stack (spmd.pipelined_scan)
+            at = jnp.clip(m, 0, M - 1)
+            old = jax.lax.dynamic_index_in_dim(stack, at, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(stack, jnp.where(ok, value, old), at, 0)
 
         def tick(t, loop):
             (act, cot, ring, g_local, g_consts, g_args, g_pre, g_carry, loss) = loop
@@ -199,7 +205,8 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
                     for r, x in zip(ring, inp)]
             # the last stage: the micro-batch's loss and its cotangent (1/M of the mean)
             outs, post_back = float_vjp(
-                lambda y, a, p: cut.run_post(y, a, [pick(r, mf) for r in post_rows], p),
+                lambda y, a, p: cut.run_post(y, a, [pick(r, mf) for r in post_rows], p,
+                                             post_specs),
                 y, post_args, [pick(p, mf) for p in pre_m])
             dy, d_args, d_pre = post_back([jnp.full_like(outs[0], 1.0 / M)])
             on_last = last & ok_f

@@ -17,6 +17,7 @@ dimension is the carry's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -274,6 +275,55 @@ def held(values: Sequence, specs: Sequence | None, lead: int = 0) -> list:
             for v, p in zip(values, specs)]
 
 
+def post_key(i: int) -> int:
+    """The key an SPMD plan's operand_specs give leaf equation i after the scan over layers
+    (the head and loss): negative, where the layer body's equations have their own index."""
+    return -1 - i
+
+
+def split_operand_specs(specs: Mapping[tuple[int, int], Any]) -> tuple[dict, dict]:
+    """An SPMD plan's operand layouts as (the layer body's {(equation, operand): spec}, the
+    equations after the scan's {(equation, operand): spec}) (post_key)."""
+    body = {k: v for k, v in specs.items() if k[0] >= 0}
+    post = {(post_key(k[0]), k[1]): v for k, v in specs.items() if k[0] < 0}
+    return body, post
+
+
+def constrained(specs: Mapping[tuple[int, int], Any]) -> Callable:
+    """operand(i, j, x) for interpret.eval_leaves / run_leaves: `x` held in specs[(i, j)]."""
+    def operand(i, j, x):
+        spec = specs.get((i, j))
+        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+    return operand
+
+
+def held_cotangent(values: Sequence, specs: Sequence | None, lead: int = 0) -> list:
+    """`values` themselves, their cotangents constrained as `held` constrains activations:
+    where a loop reads a stack of them per tick (GPipe's outputs, whose cotangent comes from
+    the head at full batch, split over the batch rows), the stack is laid out once before the
+    loop instead of gathered at every tick."""
+    if specs is None:
+        return list(values)
+    return [_ct_held(v, jax.sharding.PartitionSpec(*[None] * lead, *p))
+            for v, p in zip(values, specs)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _ct_held(x, spec):
+    return x
+
+
+def _ct_held_fwd(x, spec):
+    return x, None
+
+
+def _ct_held_bwd(spec, _, ct):
+    return (jax.lax.with_sharding_constraint(ct, spec),)
+
+
+_ct_held.defvjp(_ct_held_fwd, _ct_held_bwd)
+
+
 def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None,
                  operand_specs: Mapping[tuple[int, int], Any] | None = None):
     """layers(consts, carry, xs) -> carry: the scan's own body over `num_layers` layers (one
@@ -285,10 +335,7 @@ def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None
     operand index) -> PartitionSpec): the layouts the plan's layer reads its operands in (the
     stage's intra-op plan applied inside the layer; spmd_cost.body_operand_specs)."""
     given = dict(operand_specs or {})
-
-    def operand(i, j, x):
-        spec = given.get((i, j))
-        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+    operand = constrained(given)
     body, nk = micro_eqn.params["jaxpr"], micro_eqn.params["num_carry"]
 
     def hold(c):

@@ -163,10 +163,12 @@ class _Parts:
     carry_bytes: float
     resid_bytes: float
     carries: tuple[ShardSpec, ...]
-    partial_grads: tuple[tuple[float, tuple[str, ...]], ...] = ()
-    """(bytes per device, mesh axes) of each per-layer value the backward scan stacks as a
-    partial sum (a weight's gradient over split rows): the plan reduces it once after the
-    loop, the pipeline's accumulator at every tick."""
+    partial_grads: tuple[tuple[float, tuple[str, ...], bool], ...] = ()
+    """(bytes per device, mesh axes, whether the stacked result is split over them) of each
+    per-layer value the backward scan stacks as a partial sum (a weight's gradient over split
+    rows): the plan reduces it once after the loop, the pipeline's accumulator at every tick
+    (a reduce-scatter where the result is split and the target forms them, else an
+    all-reduce)."""
 
 
 def node_flops(p: Priced, nodes) -> float:
@@ -216,8 +218,10 @@ def _parts(p: Priced, lt: LossTrace, batch: int) -> _Parts:
             node = graph.nodes[n]
             spec = intra.value_specs.get(node.inputs[0]) if node.inputs else None
             if node.primitive == "loop_stack" and spec is not None and spec.partial:
+                out = intra.value_specs.get(node.outputs[0])
+                split = out is not None and any(a in spec.partial for d in out.dims for a in d)
                 partial.append((graph.values[node.inputs[0]].nbytes
-                                / spec.num_shards(intra.mesh), tuple(spec.partial)))
+                                / spec.num_shards(intra.mesh), tuple(spec.partial), split))
     return _Parts(fwd, bwd, cost(n.id for n in graph.nodes if n.loop in fwd),
                   cost(n.id for n in graph.nodes if n.loop in bwd), cost(post), carry_bytes,
                   resid, tuple(carries), tuple(partial))
@@ -238,7 +242,7 @@ def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], Sh
     its nodes in order by primitive and output shapes (an equation not found, or a call such as
     remat whose body the graph inlined, is left to XLA). Partial specs are left out."""
     fwd, _ = layer_loops(stage.graph, lt)
-    graph, intra = stage.graph, stage.intra
+    graph = stage.graph
     outer = [lp for lp in sorted(fwd) if graph.loops[lp].parent not in fwd]
     if not outer:
         return {}
@@ -247,8 +251,31 @@ def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], Sh
     nodes = [graph.nodes[n] for n in loop.bodies[-1].nodes
              if graph.nodes[n].loop == loop.id and n not in pseudo]
     body = lt.micro.jaxpr.eqns[lt.micro_scan.index].params["jaxpr"].jaxpr
+    return _matched_specs(interpret.leaf_eqns(body), nodes, stage)
+
+
+def post_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], ShardSpec]:
+    """The layouts the micro-batch step's plan `stage` reads each operand of the loss's
+    equations after the scan over layers in (the head and loss, which 1F1B runs every tick):
+    {(leaf equation index among them, operand index): spec}, matched in order to the plan's
+    top-level nodes after its forward scan over layers (as body_operand_specs)."""
+    fwd, _ = layer_loops(stage.graph, lt)
+    graph = stage.graph
+    outer = [lp for lp in sorted(fwd) if graph.loops[lp].parent not in fwd]
+    if not outer:
+        return {}
+    after = max(graph.loops[outer[0]].leave)
+    nodes = [n for n in graph.nodes if n.loop is None and n.id > after]
+    eqns = lt.micro.jaxpr.eqns[lt.micro_scan.index + 1:]
+    return _matched_specs(interpret.leaf_eqns(eqns), nodes, stage)
+
+
+def _matched_specs(eqns, nodes, p: Priced) -> dict[tuple[int, int], ShardSpec]:
+    """{(i, j): spec}: equation i of `eqns` matched to the next of `nodes` (in order) with its
+    primitive and output shapes, its operand j read in that node's strategy's spec."""
+    graph, intra = p.graph, p.intra
     out, at = {}, 0
-    for i, eqn in enumerate(interpret.leaf_eqns(body)):
+    for i, eqn in enumerate(eqns):
         shapes = [tuple(v.aval.shape) for v in eqn.outvars]
         # the node's inputs: every operand, or (lift drops literals) the non-literal ones
         operands = [j for j, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
@@ -318,13 +345,16 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
                           for x in reduced)
     # the layers' gradients summed into the stage's accumulator every tick: a partial one is
     # reduced there (the plan reduced it once, after its backward scan)
-    per_layer = math.fsum(ring.collective_time("all-reduce", b, axes, mesh, links)
-                          for b, axes in small.partial_grads)
+    def reduce(b, axes, split):
+        kind = "reduce-scatter" if split and hw.forms_reduce_scatter else "all-reduce"
+        return ring.collective_time(kind, b, axes, mesh, links)
+
+    per_layer = math.fsum(reduce(*g) for g in small.partial_grads)
     grad_reduce = ticks * per_layer * lt.scan.length / S
     # the full-batch plan (`rest`) reduces its partial ones once, after its backward scan;
     # the pipeline does not (its accumulator is reduced at every tick, above or in B)
-    once = math.fsum(ring.collective_time("all-reduce", b * lt.scan.length, axes, mesh, links)
-                     for b, axes in big.partial_grads)
+    once = math.fsum(reduce(b * lt.scan.length, axes, split)
+                     for b, axes, split in big.partial_grads)
     rest_k = max(rest_k - once, 0.0)
     sub = full.intra.mesh
     stacked = set(lt.scan.xs_shapes)
@@ -365,3 +395,4 @@ def _post_param_bytes(lt: LossTrace) -> float:
             if not isinstance(v, Literal) and v in full}
     return float(sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in read
                      if tuple(v.aval.shape) == tuple(full[v].shape)))
+

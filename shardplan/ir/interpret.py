@@ -173,10 +173,11 @@ def _entered(eqn):
 
 
 def leaf_eqns(jaxpr) -> list:
-    """The equations of an (open) jaxpr in program order, entering the calls lift inlines
-    (jit, remat, ...; custom_jvp/vjp calls stay one equation): what eval_leaves numbers."""
+    """The equations of an (open) jaxpr (or a list of equations) in program order, entering
+    the calls lift inlines (jit, remat, ...; custom_jvp/vjp calls stay one equation): what
+    eval_leaves and run_leaves number."""
     out = []
-    for eqn in jaxpr.eqns:
+    for eqn in getattr(jaxpr, "eqns", jaxpr):
         inner = _entered(eqn)
         out.extend([eqn] if inner is None else leaf_eqns(inner[0]))
     return out
@@ -187,31 +188,38 @@ def eval_leaves(closed, args: Sequence, operand: Callable) -> list:
     entered under jax.checkpoint with its policy: it still recomputes), and leaf equation i
     (leaf_eqns' numbering) reading `operand(i, j, x)` as its operand j: layouts applied to
     the values inside a layer."""
-    def run(jaxpr, consts, vals, start):
-        env = dict(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, vals))
-        at = start
-        for eqn in jaxpr.eqns:
-            ins = [read_var(env, v) for v in eqn.invars]
-            inner = _entered(eqn)
-            if inner is None:
-                outs = _compat.bind_eqn(eqn, [operand(at, j, x) for j, x in enumerate(ins)])
-                at += 1
-            else:
-                sub, sub_consts = inner
-
-                def call(*a, sub=sub, sub_consts=sub_consts, at=at):
-                    return run(sub, sub_consts, a, at)
-
-                if eqn.primitive.name in _REMAT:
-                    call = jax.checkpoint(call, prevent_cse=eqn.params.get("prevent_cse", True),
-                                          policy=eqn.params.get("policy"))
-                outs = call(*ins)
-                at += len(leaf_eqns(sub))
-            for v, x in zip(eqn.outvars, outs):
-                if not _compat.is_drop_var(v):
-                    env[v] = x
-        return [read_var(env, v) for v in jaxpr.outvars]
-
     jaxpr, consts = _compat.open_jaxpr(closed)
-    return run(jaxpr, consts, list(args), 0)
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    run_leaves(jaxpr.eqns, env, operand)
+    return [read_var(env, v) for v in jaxpr.outvars]
+
+
+def run_leaves(eqns: Sequence, env: dict, operand: Callable, start: int = 0) -> dict:
+    """Bind `eqns` again in order as eval_leaves does (calls entered, leaf equation i counted
+    from `start` reading `operand(i, j, x)`), reading and writing `env`."""
+    at = start
+    for eqn in eqns:
+        ins = [read_var(env, v) for v in eqn.invars]
+        inner = _entered(eqn)
+        if inner is None:
+            outs = _compat.bind_eqn(eqn, [operand(at, j, x) for j, x in enumerate(ins)])
+            at += 1
+        else:
+            sub, sub_consts = inner
+
+            def call(*a, sub=sub, sub_consts=sub_consts, at=at):
+                inner_env = dict(zip(sub.constvars, sub_consts))
+                inner_env.update(zip(sub.invars, a))
+                run_leaves(sub.eqns, inner_env, operand, at)
+                return [read_var(inner_env, v) for v in sub.outvars]
+
+            if eqn.primitive.name in _REMAT:
+                call = jax.checkpoint(call, prevent_cse=eqn.params.get("prevent_cse", True),
+                                      policy=eqn.params.get("policy"))
+            outs = call(*ins)
+            at += len(leaf_eqns(sub))
+        for v, x in zip(eqn.outvars, outs):
+            if not _compat.is_drop_var(v):
+                env[v] = x
+    return env
