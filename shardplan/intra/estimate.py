@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from shardplan.cost import collectives
 from shardplan.cost.estimate import Estimate
+from shardplan.intra import combiner
 from shardplan.intra.problem import Problem, is_tensor
 from shardplan.ir.graph import Role
 
@@ -23,49 +24,12 @@ def _combinable(cost) -> frozenset[str]:
     """Collective kinds XLA's combiner merges when independent: all-reduces, and the
     reduce-scatters an accelerator forms of them (analysis/price.py prices the combined
     all-reduce of XLA:CPU as one reduce-scatter there)."""
-    return frozenset({"all-reduce", "reduce-scatter"} if cost.hardware.forms_reduce_scatter
-                     else {"all-reduce"})
+    return combiner.REDUCTIONS if cost.hardware.forms_reduce_scatter else frozenset({"all-reduce"})
 
 
-def combined_latency_saving(reductions, cost) -> float:
-    """Seconds of latency XLA's all-reduce combiner saves: independent reductions of one kind
-    over the same axes run as one collective, paying the ring's latency steps once.
-
-    `reductions`: (level, trips, Collective) where level counts the reductions on the
-    longest path of the graph up to this one, so two of one level never depend on each
-    other (measured: XLA:CPU merges every gradient all-reduce of GPT-2 124M on 8 devices into
-    one tuple all-reduce). A correction to the estimate; the ILP prices each collective
-    alone."""
-    groups: dict[tuple, list[float]] = {}
-    for level, trips, c in reductions:
-        n = cost.mesh.size(c.axes) if c.axes else 1
-        link = collectives.slowest_link(c.axes, cost.mesh, cost.links) if c.axes else None
-        if link is None or n <= 1 or c.nbytes <= 0:
-            continue
-        steps = collectives.latency_steps(c.kind, n) * link.latency
-        groups.setdefault((level, trips, c.kind, tuple(sorted(c.axes))), []).append(steps)
-    return sum(trips * (sum(v) - max(v)) for (_, trips, _, _), v in groups.items())
-
-
-def _levelled(g, node_reds, edge_reds) -> list:
-    """(level, trips, Collective) for every reduction: level counts the reductions on the
-    longest path up to it (a value resharded with a reduction counts one on every path
-    through it)."""
-    level: dict[int, int] = {}
-    out = []
-    for node in g.nodes:
-        lv = max((level.get(v, 0) + bool(edge_reds.get(v)) for v in node.inputs), default=0)
-        if node_reds.get(node.id):
-            lv += 1
-            out += [(lv, t, c) for t, c in node_reds[node.id]]
-        for v in node.outputs:
-            level[v] = lv
-    for v, reds in edge_reds.items():
-        out += [(level.get(v, 0) + 1, t, c) for t, c in reds]
-    return out
-
-
-def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
+def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tuple]:
+    """The plan's Estimate, the collectives it expects ((where, Collective), as the strategies
+    and reshards run them) and the combined all-reduces of those (combiner.Combined)."""
     g, cost = problem.graph, problem.cost
     compute = comm = comm_bytes = 0.0
     expected = []
@@ -134,6 +98,7 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
             compute += problem.output_io_time(g.values[v], value_specs[v].without_partial())
     state = sum(cost.value_bytes(g.values[v], value_specs[v])
                 for v, r in zip(g.inputs, g.input_roles) if r == Role.STATE)
-    comm -= combined_latency_saving(_levelled(g, node_reds, edge_reds), cost)
+    reductions = combiner.levelled(g, node_reds, edge_reds)
+    comm -= combiner.latency_saving(reductions, cost)
     estimate = Estimate(compute, comm, peak_bytes(problem, chosen), state, comm_bytes)
-    return estimate, tuple(expected)
+    return estimate, tuple(expected), tuple(combiner.combine(reductions))

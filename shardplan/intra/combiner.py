@@ -1,0 +1,134 @@
+"""XLA's all-reduce combiner, as the estimate models it: which of a plan's reductions the
+compiled program runs as one collective.
+
+XLA:CPU runs `AllReduceCombiner` with no byte threshold and at most 256 operands per combined
+all-reduce (cpu_compiler.cc: kCombineBytes = int64 max, kCombineCount = 256). The pass
+(collective_combiner_utils.h CombineInstructionsByKey) merges all-reduces of one key (the
+reduction, element type and replica groups) that do not depend on each other, in one
+computation (a loop body is its own). Here the key is the mesh axes, and a reduction's level
+counts the reductions of its key on the longest path up to it: two of one key and level never
+depend on each other, and the levels of a key are as few groups as its longest dependent chain
+allows (what the pass reaches when it takes each key's reductions in dependency order).
+Reductions of other keys (an activation's all-reduce over another axis, an all-gather) do
+not separate them. A reduce-scatter the accelerator forms of an all-reduce (XLA:CPU keeps the
+all-reduce and slices it; analysis/hlo_collectives.py CollectiveOp.formed) is combined with
+the all-reduces of its key and split off again: one combined all-reduce and one
+reduce-scatter where the group holds both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from shardplan.cost import ring
+from shardplan.ir.graph import Graph
+from shardplan.strategies.base import Collective
+
+MAX_OPERANDS = 256
+"""Operands of one combined all-reduce on XLA:CPU (combine_threshold_count)."""
+REDUCTIONS = frozenset({"all-reduce", "reduce-scatter"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Combined:
+    """One collective of the compiled program that `operands` of the plan's reductions share."""
+
+    kind: str
+    axes: tuple[str, ...]
+    trips: float
+    operands: int
+    nbytes: int
+
+
+def key(loop: int | None, trips: float, c: Collective) -> tuple:
+    """What two reductions must share to be combined: the computation (loop) they run in and
+    the device groups (mesh axes)."""
+    return (loop, trips, tuple(sorted(c.axes)))
+
+
+def levelled(g: Graph, node_reds: Mapping[int, Sequence[tuple[float, Collective]]],
+             edge_reds: Mapping[int, Sequence[tuple[float, Collective]]]):
+    """(key, level, trips, Collective) of every reduction: `node_reds` are those a node runs
+    (node id -> (trips, Collective)), `edge_reds` those resharding a value runs before its
+    readers (value id -> the same). A value's levels: key -> the most reductions of that key on
+    any path up to it."""
+    at: dict[int, dict] = {}  # value id -> {key: level}
+    after: dict[int, dict] = {}  # the same, once the value's own reshards ran
+    out = []
+
+    def read(v):
+        if v in after:
+            return after[v]
+        lv = at.get(v, {})
+        reds = edge_reds.get(v)
+        if reds:
+            lv = dict(lv)
+            loop = g.nodes[producer[v]].loop if v in producer else None
+            for trips, c in reds:
+                k = key(loop, trips, c)
+                out.append((k, lv.get(k, 0) + 1, trips, c))
+            for trips, c in reds:
+                k = key(loop, trips, c)
+                lv[k] = max(lv.get(k, 0), at.get(v, {}).get(k, 0) + 1)
+        after[v] = lv
+        return lv
+
+    producer = {v: node.id for node in g.nodes for v in node.outputs}
+    for node in g.nodes:
+        ins = [read(v) for v in node.inputs]
+        lv = ins[0] if len(ins) == 1 else {}
+        if len(ins) > 1:
+            for d in ins:
+                for k, n in d.items():
+                    if n > lv.get(k, 0):
+                        lv[k] = n
+        reds = node_reds.get(node.id)
+        if reds:
+            base, lv = lv, dict(lv)
+            for trips, c in reds:
+                k = key(node.loop, trips, c)
+                out.append((k, base.get(k, 0) + 1, trips, c))
+                lv[k] = base.get(k, 0) + 1
+        for v in node.outputs:
+            at[v] = lv
+    for v in edge_reds:
+        read(v)  # values no node reads (outputs): their reshards still run
+    return out
+
+
+def combine(reductions: Iterable[tuple]) -> list[Combined]:
+    """The collectives the compiled program runs for `reductions` (levelled's): one per key,
+    level and kind, each of at most MAX_OPERANDS operands; reductions of no bytes or no
+    devices run nothing and are left out."""
+    groups: dict[tuple, list[Collective]] = {}
+    for k, level, trips, c in reductions:
+        if c.nbytes > 0 and c.axes:
+            groups.setdefault((k, level, trips), []).append(c)
+    out = []
+    for (k, _, trips), cs in sorted(groups.items(), key=lambda kv: repr(kv[0])):
+        # XLA combines all of them as all-reduces; the accelerator splits the sliced part off
+        chunks = math.ceil(len(cs) / MAX_OPERANDS)
+        for kind in sorted({c.kind for c in cs}):
+            mine = [c for c in cs if c.kind == kind]
+            per = math.ceil(len(mine) / chunks)
+            for i in range(0, len(mine), per):
+                part = mine[i:i + per]
+                out.append(Combined(kind, part[0].axes, trips, len(part),
+                                    sum(c.nbytes for c in part)))
+    return out
+
+
+def latency_saving(reductions: Sequence[tuple], cost) -> float:
+    """Seconds of latency the combiner saves: each reduction priced alone pays its ring's
+    latency steps; each combined collective pays them once."""
+    def latency(kind, axes):
+        link = ring.slowest_link(axes, cost.mesh, cost.links) if axes else None
+        n = cost.mesh.size(axes) if axes else 1
+        return 0.0 if link is None or n <= 1 else ring.latency_steps(kind, n) * link.latency
+
+    alone = sum(trips * latency(c.kind, c.axes) for _, _, trips, c in reductions
+                if c.nbytes > 0 and c.axes)
+    combined = sum(x.trips * latency(x.kind, x.axes) for x in combine(reductions))
+    return alone - combined
