@@ -28,7 +28,6 @@ from shardplan.strategies.base import Collective
 
 MAX_OPERANDS = 256
 """Operands of one combined all-reduce on XLA:CPU (combine_threshold_count)."""
-REDUCTIONS = frozenset({"all-reduce", "reduce-scatter"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +122,36 @@ def combine(reductions: Iterable[tuple]) -> list[Combined]:
 def latency_saving(reductions: Sequence[tuple], cost) -> float:
     """Seconds of latency the combiner saves: each reduction priced alone pays its ring's
     latency steps; each combined collective pays them once."""
-    def latency(kind, axes):
-        link = ring.slowest_link(axes, cost.mesh, cost.links) if axes else None
-        n = cost.mesh.size(axes) if axes else 1
-        return 0.0 if link is None or n <= 1 else ring.latency_steps(kind, n) * link.latency
-
-    alone = sum(trips * latency(c.kind, c.axes) for _, _, trips, c in reductions
-                if c.nbytes > 0 and c.axes)
-    combined = sum(x.trips * latency(x.kind, x.axes) for x in combine(reductions))
+    alone = sum(trips * cost.combined_latency([c]) for _, _, trips, c in reductions if c.axes)
+    combined = sum(x.trips * cost.combined_latency([Collective(x.kind, x.axes, x.nbytes)])
+                   for x in combine(reductions))
     return alone - combined
+
+
+def terminal_values(g: Graph, heads: frozenset[str]) -> frozenset[int]:
+    """The values no node of `heads` (primitives) reads, directly or through what is computed
+    from them, loop carries included: with heads the contractions, a train step's gradients as
+    its optimizer update reads them and the loss, not the activations (or their gradients)
+    that feed a further matmul. The reductions of such values do not depend on each other
+    unless an update reads one from another (a global norm), so XLA runs them as one or a few
+    combined all-reduces whatever their number; the ILP prices them without their own latency
+    (intra/problem.py)."""
+    feeds: set[int] = set()  # values from which a head is reachable
+    carried = {}
+    for src, carry, _ in g.carry_edges():
+        carried.setdefault(src, []).append(carry)
+    changed = True
+    while changed:  # a carry runs backwards in program order: to a fixed point
+        changed = False
+        for node in reversed(g.nodes):
+            if node.primitive in heads or any(v in feeds for v in node.outputs):
+                for v in node.inputs:
+                    if v not in feeds:
+                        feeds.add(v)
+                        changed = True
+        for src, carries in carried.items():
+            if src not in feeds and any(c in feeds for c in carries):
+                feeds.add(src)
+                changed = True
+    made = {v for node in g.nodes for v in node.outputs}
+    return frozenset(made - feeds)

@@ -20,20 +20,13 @@ def peak_bytes(problem: Problem, chosen) -> float:
     return model.peak(root_choice)
 
 
-def _combinable(cost) -> frozenset[str]:
-    """Collective kinds XLA's combiner merges when independent: all-reduces, and the
-    reduce-scatters an accelerator forms of them (analysis/price.py prices the combined
-    all-reduce of XLA:CPU as one reduce-scatter there)."""
-    return combiner.REDUCTIONS if cost.hardware.forms_reduce_scatter else frozenset({"all-reduce"})
-
-
 def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tuple]:
     """The plan's Estimate, the collectives it expects ((where, Collective), as the strategies
     and reshards run them) and the combined all-reduces of those (combiner.Combined)."""
     g, cost = problem.graph, problem.cost
     compute = comm = comm_bytes = 0.0
     expected = []
-    combinable = _combinable(cost)
+    combinable = cost.combined_kinds
     node_reds: dict[int, list] = {}  # node id -> (trips, Collective) of the kinds XLA combines
     edge_reds: dict[int, list] = {}  # value id -> the same, of its resharding
     n_in = problem.num_inputs
