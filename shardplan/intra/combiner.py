@@ -22,7 +22,6 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from shardplan.cost import ring
 from shardplan.ir.graph import Graph
 from shardplan.strategies.base import Collective
 
