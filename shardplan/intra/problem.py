@@ -167,6 +167,8 @@ class Problem:
         gradients (intra/combiner.py terminal_values): the ILP prices them without their own
         latency, as one collective pays one whatever the number of gradients (the estimate
         prices the combined collectives as the combiner forms them)."""
+        if not self.options.combine_gradients:
+            return False
         if "_terminal" not in self.__dict__:
             self.__dict__["_terminal"] = combiner.terminal_values(self.graph, CONTRACTIONS)
         return bool(values) and all(v in self._terminal for v in values)

@@ -46,3 +46,8 @@ class IntraOptions:
     fixed_inputs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
     # Also solve with each expert plan's input specs pinned and keep the cheapest.
     seed_baselines: bool = True
+    # The reductions of the step's gradients and loss priced as XLA's combiner runs them: one
+    # combined all-reduce, so each without its own latency (intra/combiner.py). Off for the
+    # SPMD pipeline's stage programs, whose loss and head run inside the loop of ticks, apart
+    # from the other gradients' reductions (inter/spmd_cost.py prices those collectives).
+    combine_gradients: bool = True
