@@ -43,9 +43,9 @@ def check(name: str, size: str, mesh_name: str, profile: str):
                                               measure.compute_dtype(graph))
     if hw.forms_reduce_scatter:
         stats = stats.formed()
-    ops = [op for op in stats.collectives if op.kind == "all-reduce"]
-    alone = sum(1 for _, c in intra.comms if c.kind == "all-reduce")
-    combined = [x for x in intra.combined if x.kind == "all-reduce"]
+    ops = [op for op in stats.collectives if op.kind in ("all-reduce", "reduce-scatter")]
+    alone = sum(1 for _, c in intra.comms if c.kind in ("all-reduce", "reduce-scatter"))
+    combined = list(intra.combined)  # all-reduces, and reduce-scatters formed of them
     return (alone, sum(x.trips for x in combined), sum(op.count for op in ops),
             sum(x.nbytes * x.trips for x in combined), sum(op.nbytes * op.count for op in ops),
             plan.estimate.comm_s, priced.comm_s)
@@ -60,7 +60,7 @@ def main(argv=None):
     ap.add_argument("--profiles", nargs="+", default=["cpu"])
     args = ap.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", 8)
-    print("| model | mesh | profile | all-reduces alone | combined pred/compiled | "
+    print("| model | mesh | profile | reductions alone | combined pred/compiled | "
           "their bytes pred/compiled | comm pred/compiled |")
     print("|---|---|---|---|---|---|---|")
     for name in args.models:
