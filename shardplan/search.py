@@ -58,17 +58,20 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
                options: SearchOptions, *, ilp_budget: float | None = None, device_mesh=None,
                device_order=None, start: float | None = None, deadline: Deadline | None = None,
                donated: frozenset[int] | None = None,
-               fixed_inputs: dict[int, ShardSpec] | None = None) -> tuple[Plan, IntraPlan]:
+               fixed_inputs: dict[int, ShardSpec] | None = None,
+               combine_gradients: bool = True) -> tuple[Plan, IntraPlan]:
     """The intra-op plan of the lifted step `graph` on `mesh_shape`, the ILP held to
     `ilp_budget` (default the options' memory budget; the plan reports the options' budget).
-    `fixed_inputs` (flat input index -> spec) are pinned besides the hints' pins, which win."""
+    `fixed_inputs` (flat input index -> spec) are pinned besides the hints' pins, which win;
+    `combine_gradients`: IntraOptions' (False for an SPMD pipeline's stage programs)."""
     start = time.perf_counter() if start is None else start
     cost = AlphaBetaCost(mesh_shape, hw, device_order)
     budget = options.memory_budget if ilp_budget is None else ilp_budget
     hinted = pinned_inputs(traced, mesh_shape, options)
     fixed = {**(fixed_inputs or {}), **hinted}
-    intra = plan_intra(graph, mesh_shape, cost, intra_options(options, budget, fixed,
-                                                             deadline=deadline, donated=donated))
+    intra = plan_intra(graph, mesh_shape, cost, intra_options(
+        options, budget, fixed, deadline=deadline, donated=donated,
+        combine_gradients=combine_gradients))
     ops = tuple(op_rows(graph, cost, intra))
     plan = Plan(
         mesh=mesh_shape, hardware=hw.name,
@@ -137,19 +140,21 @@ def op_rows(graph: Graph, cost: AlphaBetaCost, intra: IntraPlan) -> list[OpRow]:
 def plan_step(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
               options: SearchOptions = DEFAULTS, *, device_mesh=None,
               device_order: Sequence[int] | None = None, deadline: Deadline | None = None,
-              donate_argnums: Sequence[int] | None = None) -> tuple[Plan, Graph, IntraPlan]:
+              donate_argnums: Sequence[int] | None = None,
+              combine_gradients: bool = True) -> tuple[Plan, Graph, IntraPlan]:
     """Plan one program of the traced step on `mesh_shape` priced as `hw`: (the Plan, the
     lifted graph it is for, the intra-op plan). `device_mesh` (a jax Mesh) is kept in the plan
     for its shardings; `device_order` (device ids in mesh order) places the links; `deadline`
     (default: the options' time limit from now) bounds the whole search; `donate_argnums`: the
     arguments the compiled step donates (None: its state, as a plan for a cluster assumes; the
-    memory model counts an undonated state output twice)."""
+    memory model counts an undonated state output twice); `combine_gradients`: plan_graph's."""
     start = time.perf_counter()
     deadline = deadline or Deadline(options.time_limit)
     graph = lift(traced.closed_jaxpr, traced.arg_info, LiftOptions(while_trips=options.while_trips))
     plan, intra = plan_graph(graph, traced, mesh_shape, hw, options, device_mesh=device_mesh,
                              device_order=device_order, start=start, deadline=deadline,
-                             donated=donated_inputs(traced, donate_argnums))
+                             donated=donated_inputs(traced, donate_argnums),
+                             combine_gradients=combine_gradients)
     return plan, graph, intra
 
 
@@ -289,7 +294,8 @@ def plan_spmd(fn, args: Sequence, mesh, hardware: HardwareProfile, options: Sear
     if isinstance(sub, str):
         return sub
     intra, graph, intra_plan = plan_step(traced, sub, hardware,
-                                         options.replace(pipeline=False, measure=False))
+                                         options.replace(pipeline=False, measure=False),
+                                         combine_gradients=False)
     full = spmd_cost.Priced(graph, intra_plan, intra.ops)
     stage = _micro_step(fn, traced, lt, sub, hardware, options, intra.input_specs)
     plan, cost = spmd_search.spmd_plan(intra, full, stage, lt, mesh, hardware, options, traced)
@@ -309,7 +315,8 @@ def _micro_step(fn, traced: TracedStep, lt: layer_scan.LossTrace, sub: MeshShape
                       options.batch_argnums)
         graph = lift(micro.closed_jaxpr, micro.arg_info, LiftOptions(while_trips=o.while_trips))
         fixed = {i: s for i, (s, r) in enumerate(zip(state_specs, roles)) if r == Role.STATE}
-        plan, intra = plan_graph(graph, micro, sub, hw, o, fixed_inputs=fixed)
+        plan, intra = plan_graph(graph, micro, sub, hw, o, fixed_inputs=fixed,
+                                 combine_gradients=False)
     except Exception:  # noqa: BLE001 - the estimate falls back to the full step's layers / M
         return None
     return spmd_cost.Priced(graph, intra, plan.ops)

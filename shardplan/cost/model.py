@@ -117,6 +117,25 @@ class AlphaBetaCost:
                 total += ring.latency_steps(c.kind, self.mesh.size(c.axes)) * link.latency
         return total
 
+    @property
+    def combined_kinds(self) -> frozenset[str]:
+        """Collective kinds XLA's all-reduce combiner merges when independent (intra/combiner.py):
+        all-reduces, and the reduce-scatters an accelerator forms of them (analysis/price.py
+        prices the sliced part of XLA:CPU's combined all-reduce as a reduce-scatter there)."""
+        return frozenset({"all-reduce", "reduce-scatter"} if self.hardware.forms_reduce_scatter
+                         else {"all-reduce"})
+
+    def combined_latency(self, comms) -> float:
+        """The latency part of the collectives among `comms` that XLA's combiner merges: what
+        one of them adds to the time of the combined collective it joins."""
+        total = 0.0
+        for c in comms:
+            if c.kind in self.combined_kinds and c.nbytes > 0:
+                link = ring.slowest_link(c.axes, self.mesh, self.links)
+                if link is not None:
+                    total += ring.latency_steps(c.kind, self.mesh.size(c.axes)) * link.latency
+        return total
+
     def reshard_comms(self, value: Value, src: ShardSpec, dst: ShardSpec):
         if src == dst:
             return ()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from shardplan.cost import collectives
 from shardplan.cost.estimate import Estimate
+from shardplan.intra import combiner
 from shardplan.intra.problem import Problem, is_tensor
 from shardplan.ir.graph import Role
+from shardplan.strategies.base import Collective
 
 
 def peak_bytes(problem: Problem, chosen) -> float:
@@ -19,57 +21,91 @@ def peak_bytes(problem: Problem, chosen) -> float:
     return model.peak(root_choice)
 
 
-def _combinable(cost) -> frozenset[str]:
-    """Collective kinds XLA's combiner merges when independent: all-reduces, and the
-    reduce-scatters an accelerator forms of them (analysis/price.py prices the combined
-    all-reduce of XLA:CPU as one reduce-scatter there)."""
-    return frozenset({"all-reduce", "reduce-scatter"} if cost.hardware.forms_reduce_scatter
-                     else {"all-reduce"})
-
-
-def combined_latency_saving(reductions, cost) -> float:
-    """Seconds of latency XLA's all-reduce combiner saves: independent reductions of one kind
-    over the same axes run as one collective, paying the ring's latency steps once.
-
-    `reductions`: (level, trips, Collective) where level counts the reductions on the
-    longest path of the graph up to this one, so two of one level never depend on each
-    other (measured: XLA:CPU merges every gradient all-reduce of GPT-2 124M on 8 devices into
-    one tuple all-reduce). A correction to the estimate; the ILP prices each collective
-    alone."""
-    groups: dict[tuple, list[float]] = {}
-    for level, trips, c in reductions:
-        n = cost.mesh.size(c.axes) if c.axes else 1
-        link = collectives.slowest_link(c.axes, cost.mesh, cost.links) if c.axes else None
-        if link is None or n <= 1 or c.nbytes <= 0:
-            continue
-        steps = collectives.latency_steps(c.kind, n) * link.latency
-        groups.setdefault((level, trips, c.kind, tuple(sorted(c.axes))), []).append(steps)
-    return sum(trips * (sum(v) - max(v)) for (_, trips, _, _), v in groups.items())
-
-
-def _levelled(g, node_reds, edge_reds) -> list:
-    """(level, trips, Collective) for every reduction: level counts the reductions on the
-    longest path up to it (a value resharded with a reduction counts one on every path
-    through it)."""
-    level: dict[int, int] = {}
-    out = []
+def stale_partials(problem: Problem, chosen, value_specs, fanout) -> dict[int, frozenset]:
+    """Value id -> the partial axes of its spec that XLA has already reduced: XLA reduces a
+    partial sum once, where the first reader needs it whole, and every reader then reads the
+    sum (measured: on ViT at test size on 2x4, a backward matmul's output partial over `data`
+    is read whole by one op and partial by a layer norm's reductions, whose own partial sums
+    XLA then never reduces over `data`). A node's output is stale over an axis when each input
+    it reads partial over that axis is reduced or stale over it."""
+    g, n_in = problem.graph, problem.num_inputs
+    wanted: dict[int, list] = {}  # value id -> the specs its readers want
     for node in g.nodes:
-        lv = max((level.get(v, 0) + bool(edge_reds.get(v)) for v in node.inputs), default=0)
-        if node_reds.get(node.id):
-            lv += 1
-            out += [(lv, t, c) for t, c in node_reds[node.id]]
+        for v, dst in zip(node.inputs, chosen[n_in + node.id].in_specs):
+            wanted.setdefault(v, []).extend((fanout.get(v, dst), dst))
+    for j, v in enumerate(g.outputs):
+        tie = g.output_ties[j]
+        wanted.setdefault(v, []).append(value_specs[g.inputs[tie]] if tie is not None else
+                                        value_specs.get(v, None))
+    for src, carry, _ in g.carry_edges():
+        wanted.setdefault(src, []).append(value_specs.get(carry))
+    stale: dict[int, frozenset] = {}
+    summed: dict[int, frozenset] = {}  # value id -> partial axes XLA has reduced or never had
+
+    def whole(v) -> frozenset:
+        if v not in summed:
+            p = value_specs[v].partial if v in value_specs else ()
+            reduced = {a for a in p for d in wanted.get(v, ()) if d is not None
+                       and a not in d.partial}
+            summed[v] = frozenset(reduced) | stale.get(v, frozenset())
+        return summed[v]
+
+    for node in g.nodes:
+        reads = [(v, d) for v, d in zip(node.inputs, chosen[n_in + node.id].in_specs)
+                 if d.partial and v in value_specs]
+        if not reads:
+            continue
         for v in node.outputs:
-            level[v] = lv
-    for v, reds in edge_reds.items():
-        out += [(level.get(v, 0) + 1, t, c) for t, c in reds]
-    return out
+            p = value_specs[v].partial if v in value_specs else ()
+            axes = [a for a in p if any(a in d.partial for _, d in reads)
+                    and all(a in whole(u) for u, d in reads if a in d.partial)]
+            if axes:
+                stale[v] = frozenset(axes)
+    return stale
 
 
-def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
+def partial_origins(problem: Problem, chosen, value_specs) -> dict[int, tuple[frozenset, ...]]:
+    """Value id -> its partial axes grouped by the node and operand dimension that made them
+    partial, for values partial over two or more such groups. XLA reduces each group with
+    its own all-reduce (measured: on BERT at test size on 2x4, a layer norm's scale gradient,
+    summed over the batch split on `model` and the sequence split on `data`, is all-reduced
+    once over each axis, each joining the combined all-reduce of its axis), where a sum over
+    one dimension split on both axes is one all-reduce over all their devices."""
+    g, n_in = problem.graph, problem.num_inputs
+    groups: dict[int, tuple[frozenset, ...]] = {}
+    for node in g.nodes:
+        reads = [(v, d) for v, d in zip(node.inputs, chosen[n_in + node.id].in_specs)
+                 if d.partial]
+        for v in node.outputs:
+            p = set(value_specs[v].partial) if v in value_specs else set()
+            if not p:
+                continue
+            mine = []
+            for u, d in reads:
+                for grp in groups.get(u, (frozenset(d.partial),)):
+                    if grp & p and grp & p not in mine:
+                        mine.append(grp & p)
+            made = p - set().union(*mine) if mine else p
+            # what the node sums over: an axis per dimension of its operands
+            for _, d in (*reads, *zip(node.inputs, chosen[n_in + node.id].in_specs)):
+                for dim in d.dims:
+                    if made & set(dim):
+                        mine.append(frozenset(made & set(dim)))
+                        made -= set(dim)
+            if made:
+                mine.append(frozenset(made))
+            if len(mine) > 1:
+                groups[v] = tuple(mine)
+    return groups
+
+
+def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tuple]:
+    """The plan's Estimate, the collectives it expects ((where, Collective), as the strategies
+    and reshards run them) and the combined all-reduces of those (combiner.Combined)."""
     g, cost = problem.graph, problem.cost
     compute = comm = comm_bytes = 0.0
     expected = []
-    combinable = _combinable(cost)
+    combinable = cost.combined_kinds
     node_reds: dict[int, list] = {}  # node id -> (trips, Collective) of the kinds XLA combines
     edge_reds: dict[int, list] = {}  # value id -> the same, of its resharding
     n_in = problem.num_inputs
@@ -87,21 +123,33 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
         node_reds[node.id] = [(node.trips, c) for c in s.comms if c.kind in combinable]
 
     done = set()
+    fanout = {v: chosen[problem.num_real + f].out_specs[0] for f, v in enumerate(problem.fanout_of)}
+    stale = stale_partials(problem, chosen, value_specs, fanout)
+    origins = partial_origins(problem, chosen, value_specs)
 
     def reshard(value, src, dst, where, trips=1.0):
         nonlocal comm, comm_bytes
+        gone = stale.get(value.id)
+        if gone:  # what XLA has summed already is read whole
+            src, dst = (x.with_partial([a for a in x.partial if a not in gone])
+                        for x in (src, dst))
         if src == dst or (value.ndim == 0 and not src.partial) or (value.id, src, dst) in done:
             return
         # XLA reshards a value once for all the consumers that want the same layout.
         done.add((value.id, src, dst))
         comms = cost.reshard_comms(value, src, dst)
-        comm += trips * problem.reshard_time(value, src, dst)
+        split = [grp & set(src.partial) for grp in origins.get(value.id, ())]
+        split = [tuple(a for a in src.partial if a in grp) for grp in split if grp]
+        if (len(split) > 1 and not dst.partial and len(comms) == 1
+                and comms[0].kind == "all-reduce" and set(comms[0].axes) == set(src.partial)):
+            comms = tuple(Collective("all-reduce", axes, comms[0].nbytes) for axes in split)
+            comm += trips * collectives.comms_time(comms, cost.mesh, cost.links)
+        else:
+            comm += trips * problem.reshard_time(value, src, dst)
         comm_bytes += trips * collectives.comms_bytes(comms, cost.mesh)
         expected.extend((f"{where}: {src} -> {dst}", c) for c in comms)
         edge_reds.setdefault(value.id, []).extend((trips, c) for c in comms
                                                   if c.kind in combinable)
-
-    fanout = {v: chosen[problem.num_real + f].out_specs[0] for f, v in enumerate(problem.fanout_of)}
 
     def route(value, dst, where, trips=1.0):
         src = value_specs[value.id]
@@ -134,6 +182,7 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple]:
             compute += problem.output_io_time(g.values[v], value_specs[v].without_partial())
     state = sum(cost.value_bytes(g.values[v], value_specs[v])
                 for v, r in zip(g.inputs, g.input_roles) if r == Role.STATE)
-    comm -= combined_latency_saving(_levelled(g, node_reds, edge_reds), cost)
+    reductions = combiner.levelled(g, node_reds, edge_reds)
+    comm -= combiner.latency_saving(reductions, cost)
     estimate = Estimate(compute, comm, peak_bytes(problem, chosen), state, comm_bytes)
-    return estimate, tuple(expected)
+    return estimate, tuple(expected), tuple(combiner.combine(reductions))

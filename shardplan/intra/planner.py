@@ -35,6 +35,8 @@ class IntraPlan:
     num_choices: int
     search_s: float
     comms: tuple = ()  # (where, Collective) of every collective the plan expects
+    # the all-reduces (and reduce-scatters) among them as XLA combines them (intra/combiner.py)
+    combined: tuple = ()
     notes: tuple[str, ...] = ()
     # (node id, input index) -> the layouts an operand is resharded through before the node
     operand_specs: Mapping[tuple[int, int], tuple[ShardSpec, ...]] = dataclasses.field(
@@ -178,7 +180,7 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
         else:
             spec = value_specs.get(v, ShardSpec.replicated(graph.values[v].ndim))
             output_specs.append(spec.without_partial())
-    estimate, comms = estimate_mod.estimate(problem, chosen, value_specs)
+    estimate, comms, combined = estimate_mod.estimate(problem, chosen, value_specs)
     fanout = {v: chosen[problem.num_real + f].out_specs[0] for f, v in enumerate(problem.fanout_of)}
     operand_specs = {}
     for node in graph.nodes:
@@ -197,6 +199,7 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
     return IntraPlan(mesh, input_specs, tuple(output_specs), value_specs, node_strategies,
                      frozenset(constrained), estimate, solution.solver, solution.optimal,
                      len(problem.reps), time.perf_counter() - start, comms=comms,
+                     combined=combined,
                      operand_specs=operand_specs, notes=tuple(notes))
 
 

@@ -5,58 +5,17 @@ rows."""
 from __future__ import annotations
 
 import collections
-import dataclasses
-from collections.abc import Mapping
 
 import numpy as np
 
-from shardplan.cost.model import AlphaBetaCost
-from shardplan.intra import ilp
+from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
+from shardplan.intra import combiner, ilp
+from shardplan.intra.settings import IntraOptions
 from shardplan.intra.simplify import Groups, fanout_members, merge_followers, tie_layers
 from shardplan.ir.graph import Graph, Role, Value
-from shardplan.options import DEFAULTS
 from shardplan.strategies import registry
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec, enumerate_specs
-from shardplan.units import Deadline
-
-
-@dataclasses.dataclass(frozen=True)
-class IntraOptions:
-    memory_budget: float | None = None
-    # time limit, solver seed and threads: SearchOptions' (shardplan.intra.options builds these)
-    time_limit_s: float = DEFAULTS.time_limit
-    seed: int = DEFAULTS.solver_seed
-    workers: int = DEFAULTS.workers
-    # The memory model counts the step's activations (1 + memory_margin) times: what it does
-    # not see of XLA's buffers (intra/memory.py says what it does).
-    memory_margin: float = 0.0
-    # Flat input indices whose buffers the step donates (their tied outputs reuse them);
-    # None: every state input (as measure and the zoo compile it).
-    donated: frozenset[int] | None = None
-    # The wall clock the whole search must end by (units.Deadline); None: time_limit_s alone.
-    deadline: Deadline | None = None
-    max_split_dims: int = 2
-    # Fan-out members price a value's resharding once for all its consumers (as XLA runs it)
-    # instead of once per consumer. "partial": only for values their producer may leave
-    # partial sums (XLA reduces such a value once; the small reductions of a softmax over a
-    # split vocabulary otherwise cost a collective per reader: 1.3x the compiled comm time of
-    # Megatron's plan); "layers": only for those of them made inside a named scope (a
-    # layer) and read outside every scope: the gradients the optimizer's update reads several
-    # times (global norm, moments), which a scan reduces once, into its stacked output (priced
-    # per reader, the unrolled model's ZeRO plans paid each all-reduce 2-3 times and lost to
-    # the scanned model's plan); "all": exact; "none". They grow the ILP: "partial" planned
-    # GPT-2 124M in 1.2x the time on 8 devices but 6x on 2x4, so "auto" is "partial" on
-    # meshes with one useful axis and "layers" on the others.
-    fanouts: str = "auto"
-    # Repeated layers (numbered scopes such as layer_3) share one choice per operator.
-    tie_layers: bool = True
-    # Cheap ops run in the layout of their largest operand (Alpa's follower merging).
-    merge_followers: bool = True
-    # Flat input index -> the spec it must have (user-pinned shardings, or a baseline to price).
-    fixed_inputs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
-    # Also solve with each expert plan's input specs pinned and keep the cheapest.
-    seed_baselines: bool = True
 
 
 def _source_strategies(value: Value, role: Role, mesh: MeshShape, max_split_dims: int) -> list[Strategy]:
@@ -169,7 +128,8 @@ class Problem:
             elif m >= self.num_real:
                 key = ("fanout",)
             else:
-                key = ("node", self.cost.node_time_key(g, g.nodes[m - self.num_inputs]))
+                node = g.nodes[m - self.num_inputs]
+                key = ("node", self.cost.node_time_key(g, node), self.combined(node.outputs))
             self._time_keys[m] = key
         return key
 
@@ -196,7 +156,31 @@ class Problem:
             off_batch = (self.graph.input_roles[m] == Role.BATCH and value.shape
                          and any(spec.dims[1:]))
             return self.input_io_time(m, spec) + (1e-3 * read if off_batch else 0.0), 0.0
-        return self.cost.node_time(self.graph, self.graph.nodes[m - self.num_inputs], strategy)
+        node = self.graph.nodes[m - self.num_inputs]
+        compute, comm = self.cost.node_time(self.graph, node, strategy)
+        if self.combined(node.outputs):
+            comm -= node.trips * self.cost.combined_latency(strategy.comms)
+        return compute, comm
+
+    def combined(self, values) -> bool:
+        """Whether the reductions making `values` join XLA's combined all-reduce of the step's
+        gradients (intra/combiner.py terminal_values): the ILP prices them without their own
+        latency, as one collective pays one whatever the number of gradients (the estimate
+        prices the combined collectives as the combiner forms them)."""
+        if not self.options.combine_gradients:
+            return False
+        if "_terminal" not in self.__dict__:
+            self.__dict__["_terminal"] = combiner.terminal_values(self.graph, CONTRACTIONS)
+        return bool(values) and all(v in self._terminal for v in values)
+
+    def edge_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
+        """What the ILP charges for resharding `value`: reshard_time, less the latency of the
+        reductions that join the combined all-reduce of the gradients (combined)."""
+        time = self.reshard_time(value, src, dst)
+        if time > 0 and self.combined((value.id,)):
+            time -= self.layers(value) * self.cost.combined_latency(
+                self.cost.reshard_comms(value, src, dst))
+        return time
 
     def choice_key(self, m: int) -> int:
         """What member m runs for each choice of its root, as a small int: members with equal
@@ -297,7 +281,7 @@ class Problem:
         # Repeated layers reshard values of the same shapes between the same layouts: the
         # matrix, and each layout pair's time, are computed once.
         memo = self.__dict__.setdefault("_reshard_memo", {})
-        shape = (value.shape, value.dtype, value.itemsize)
+        shape = (value.shape, value.dtype, value.itemsize, self.combined((value.id,)))
         key = (shape, tuple(srcs), tuple(dsts))
         if key in memo:
             return memo[key]
@@ -308,7 +292,7 @@ class Problem:
         def time(a, b):
             k = (shape, a, b)
             if k not in memo:
-                memo[k] = self.reshard_time(value, a, b)
+                memo[k] = self.edge_time(value, a, b)
             return memo[k]
 
         u = np.array([[time(a, b) for b in ud] for a in us])
@@ -329,7 +313,7 @@ class Problem:
         kind, idx = dst
         spec = self.in_spec if kind == "in" else self.out_spec
         if same_root:
-            return np.array([self.reshard_time(value, srcs[k], spec(n, idx, k))
+            return np.array([self.edge_time(value, srcs[k], spec(n, idx, k))
                              for k in range(kp)])
         mat = self._reshard_matrix(value, srcs, [spec(n, idx, k) for k in range(kn)])
         return mat if mat.any() else None
@@ -355,7 +339,7 @@ class Problem:
             """`dst`: ("in", i) the strategies' i-th operand spec of n, ("out", 0) its output."""
             rp, rn = root[p], root[n]
             key = (value.shape, value.dtype, value.itemsize, self.choice_key(p), out_idx,
-                   self.choice_key(n), dst, rp == rn)
+                   self.choice_key(n), dst, rp == rn, self.combined((value.id,)))
             if key not in memo:
                 self.work["edge costs"] += 1
                 memo[key] = self._edge_cost(value, p, out_idx, n, dst, rp == rn)
@@ -399,7 +383,7 @@ class Problem:
             else:
                 rp = self.groups.root[p]
                 unary[rp] += np.array([
-                    (self.cost.reshard_time(value, s, s.without_partial()) if s.partial else 0.0)
+                    (self.edge_time(value, s, s.without_partial()) if s.partial else 0.0)
                     + self.output_io_time(value, s.without_partial())
                     for s in (self.out_spec(p, out_idx, k) for k in range(len(self.strategies[rp])))])
         return unary, edges

@@ -1,0 +1,53 @@
+"""The intra-op planner's settings (intra/options.py builds them from SearchOptions)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from shardplan.options import DEFAULTS
+from shardplan.strategies.spec import ShardSpec
+from shardplan.units import Deadline
+
+
+@dataclasses.dataclass(frozen=True)
+class IntraOptions:
+    memory_budget: float | None = None
+    # time limit, solver seed and threads: SearchOptions' (shardplan.intra.options builds these)
+    time_limit_s: float = DEFAULTS.time_limit
+    seed: int = DEFAULTS.solver_seed
+    workers: int = DEFAULTS.workers
+    # The memory model counts the step's activations (1 + memory_margin) times: what it does
+    # not see of XLA's buffers (intra/memory.py says what it does).
+    memory_margin: float = 0.0
+    # Flat input indices whose buffers the step donates (their tied outputs reuse them);
+    # None: every state input (as measure and the zoo compile it).
+    donated: frozenset[int] | None = None
+    # The wall clock the whole search must end by (units.Deadline); None: time_limit_s alone.
+    deadline: Deadline | None = None
+    max_split_dims: int = 2
+    # Fan-out members price a value's resharding once for all its consumers (as XLA runs it)
+    # instead of once per consumer. "partial": only for values their producer may leave
+    # partial sums (XLA reduces such a value once; the small reductions of a softmax over a
+    # split vocabulary otherwise cost a collective per reader: 1.3x the compiled comm time of
+    # Megatron's plan); "layers": only for those of them made inside a named scope (a
+    # layer) and read outside every scope: the gradients the optimizer's update reads several
+    # times (global norm, moments), which a scan reduces once, into its stacked output (priced
+    # per reader, the unrolled model's ZeRO plans paid each all-reduce 2-3 times and lost to
+    # the scanned model's plan); "all": exact; "none". They grow the ILP: "partial" planned
+    # GPT-2 124M in 1.2x the time on 8 devices but 6x on 2x4, so "auto" is "partial" on
+    # meshes with one useful axis and "layers" on the others.
+    fanouts: str = "auto"
+    # Repeated layers (numbered scopes such as layer_3) share one choice per operator.
+    tie_layers: bool = True
+    # Cheap ops run in the layout of their largest operand (Alpa's follower merging).
+    merge_followers: bool = True
+    # Flat input index -> the spec it must have (user-pinned shardings, or a baseline to price).
+    fixed_inputs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
+    # Also solve with each expert plan's input specs pinned and keep the cheapest.
+    seed_baselines: bool = True
+    # The reductions of the step's gradients and loss priced as XLA's combiner runs them: one
+    # combined all-reduce, so each without its own latency (intra/combiner.py). Off for the
+    # SPMD pipeline's stage programs, whose loss and head run inside the loop of ticks, apart
+    # from the other gradients' reductions (inter/spmd_cost.py prices those collectives).
+    combine_gradients: bool = True

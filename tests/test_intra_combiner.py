@@ -1,0 +1,130 @@
+"""XLA's all-reduce combiner as the estimate models it (intra/combiner.py), and the ILP's price
+of the gradients' reductions (intra/problem.py Problem.edge_time)."""
+
+import collections
+import importlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from shardplan import measure
+from shardplan.analysis import hlo
+from shardplan.cost.hardware import get_profile
+from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
+from shardplan.intra import combiner
+from shardplan.intra.problem import IntraOptions, Problem
+from shardplan.ir.lift import lift
+from shardplan.ir.trace import trace
+from shardplan.models import get_model
+from shardplan.options import DEFAULTS
+from shardplan.strategies.base import Collective
+from shardplan.strategies.spec import MeshShape, ShardSpec
+from tests.conftest import auto_mesh
+
+search = importlib.import_module("shardplan.search")
+MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
+
+
+def _plan_and_compile(name, mesh_name):
+    mesh = auto_mesh(*MESHES[mesh_name])
+    m = get_model(name, "tiny", abstract=True)
+    traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
+    options = DEFAULTS.replace(state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
+    plan, graph, intra = search.plan_step(
+        traced, MeshShape.of(mesh), get_profile("cpu"), options, device_mesh=mesh,
+        device_order=[d.id for d in mesh.devices.flat], donate_argnums=m.state_argnums)
+    lowered = measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
+    return intra, hlo.analyze(measure.compile_for_analysis(lowered))
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_combined_all_reduces_as_compiled(devices, name, mesh_name):
+    """The estimate's combined all-reduces against XLA:CPU's: exactly as many on 8 devices
+    (the gradients' one), and on 2x4 as many up to one (XLA's pass combines greedily in its
+    post order, the model by dependency levels); their operands within 5% in bytes."""
+    intra, stats = _plan_and_compile(name, mesh_name)
+    compiled = [op for op in stats.collectives if op.kind == "all-reduce"]
+    assert sum(op.count for op in compiled) == pytest.approx(
+        sum(x.trips for x in intra.combined), abs=0 if mesh_name == "8" else 1)
+    assert sum(x.nbytes * x.trips for x in intra.combined) == pytest.approx(
+        sum(op.nbytes * op.count for op in compiled), rel=0.05)
+    # far fewer than the reductions the plan runs: the combiner is what makes them cheap
+    alone = sum(1 for _, c in intra.comms if c.kind == "all-reduce")
+    assert alone > 3 * len(compiled)
+
+
+def _reductions(*specs):
+    """levelled()'s tuples for hand-made (key, level) pairs of one-axis all-reduces."""
+    return [(combiner.key(None, 1.0, Collective("all-reduce", (ax,), 64)), level, 1.0,
+             Collective("all-reduce", (ax,), 64)) for ax, level in specs]
+
+
+def test_combine_one_collective_per_axes_and_level():
+    got = combiner.combine(_reductions(("x", 1), ("x", 1), ("x", 2), ("y", 1)))
+    assert collections.Counter((c.axes, c.operands) for c in got) == {
+        (("x",), 2): 1, (("x",), 1): 1, (("y",), 1): 1}
+
+
+def test_combine_splits_at_the_operand_limit():
+    got = combiner.combine(_reductions(*[("x", 1)] * (combiner.MAX_OPERANDS + 1)))
+    assert sorted(c.operands for c in got) == [128, 129]
+
+
+def test_latency_saving_is_all_but_one_latency_per_group():
+    cost = AlphaBetaCost(MeshShape(("x",), (8,)), get_profile("a100-80gb"))
+    reds = _reductions(*[("x", 1)] * 5)
+    one = cost.combined_latency([reds[0][3]])
+    assert one > 0
+    assert combiner.latency_saving(reds, cost) == pytest.approx(4 * one)
+
+
+def _mlp_step():
+    def loss(params, x):
+        h = jnp.tanh(x @ params["w1"])
+        return jnp.mean((h @ params["w2"]) ** 2)
+
+    def step(params, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    params = {"w1": jax.ShapeDtypeStruct((64, 128), jnp.float32),
+              "w2": jax.ShapeDtypeStruct((128, 32), jnp.float32)}
+    x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    traced = trace(step, (params, x), (0,), (1,))
+    return traced, lift(traced.closed_jaxpr, traced.arg_info)
+
+
+def _gradients(g):
+    """The values the update `p - 0.1 * g` reads besides the parameters: the gradients."""
+    scaled = [n for n in g.nodes if n.primitive == "mul" and n.name == ""]
+    return {v for n in scaled for v in n.inputs if g.values[v].ndim == 2}
+
+
+def test_terminal_values_are_the_gradients_and_the_loss():
+    _, g = _mlp_step()
+    terminal = combiner.terminal_values(g, CONTRACTIONS)
+    grads = _gradients(g)
+    assert len(grads) == 2 and grads <= terminal
+    dots = [n for n in g.nodes if n.primitive == "dot_general"]
+    # the forward activation h feeds the second matmul (and the backward ones): not terminal
+    assert not (set(dots[0].outputs) & terminal)
+    assert g.outputs[-1] in terminal  # the loss
+
+
+def test_ilp_prices_a_gradient_reduction_without_its_latency():
+    _, g = _mlp_step()
+    mesh = MeshShape(("x",), (8,))
+    problem = Problem(g, mesh, AlphaBetaCost(mesh, get_profile("a100-80gb")), IntraOptions())
+    grad = g.values[min(_gradients(g))]
+    whole = ShardSpec.replicated(2)
+    summed = whole.with_partial(("x",))
+    full = problem.reshard_time(grad, summed, whole)
+    latency = problem.cost.combined_latency(problem.cost.reshard_comms(grad, summed, whole))
+    assert latency > 0
+    assert problem.edge_time(grad, summed, whole) == pytest.approx(full - latency)
+    # an activation's reduction keeps its latency
+    h = g.values[next(n for n in g.nodes if n.primitive == "dot_general").outputs[0]]
+    assert problem.edge_time(h, ShardSpec.replicated(2).with_partial(("x",)), whole) == \
+        problem.reshard_time(h, ShardSpec.replicated(2).with_partial(("x",)), whole)
