@@ -216,7 +216,7 @@ def measure(graph: Graph, traced: TracedStep, plan: Plan, mesh, hw: HardwareProf
     return MeasuredProgram(name, plan, priced)
 
 
-def _measured_estimate(c: MeasuredProgram) -> Estimate:
+def measured_estimate(c: MeasuredProgram) -> Estimate:
     p = c.priced
     return Estimate(p.compute_s, p.comm_s, p.peak_bytes, c.plan.estimate.state_bytes,
                     p.bytes_sent)
@@ -253,7 +253,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
         return measure(graph, traced, p, mesh, hw, name, donate_argnums, dtype, widening)
 
     candidates = [run("searched", plan)]
-    stopped = _recalibrate(candidates, run, memory_budget, replan)
+    stopped = recalibrate(candidates, run, memory_budget, replan)
     for name, p in expert_plans(graph, plan, pinned, complete).items():
         candidates.append(run(name, p))
     priced = [c for c in candidates if c.priced is not None]
@@ -265,14 +265,14 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
             + _kept_note(best, fits, memory_budget) + _widening_note(widening))
     solver = (best.plan.solver if best.name.startswith("searched")
               else f"{best.plan.solver}; searched: {plan.solver}")
-    kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),
+    kept = dataclasses.replace(best.plan, estimate=measured_estimate(best),
                                model_estimate=best.plan.estimate,
                                notes=(*plan.notes, note), solver=solver,
                                search_s=plan.search_s, candidates=tuple(candidates))
     return kept, tuple(candidates)
 
 
-def _recalibrate(candidates: list[MeasuredProgram], run, memory_budget: float | None,
+def recalibrate(candidates: list[MeasuredProgram], run, memory_budget: float | None,
                  replan: Callable[[float], Plan] | None) -> str:
     """Re-plan under a tighter ILP budget while the last searched plan compiles over the
     budget (appending each re-plan to `candidates`); why it stopped early, or ""."""

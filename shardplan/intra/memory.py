@@ -127,7 +127,7 @@ class MemoryModel:
         # and is not fused (the first layer's first dot or gather).
         self.first = min((pos[r] for v in g.inputs for r in readers.get(v, ())
                           if g.nodes[r].primitive not in FUSED), default=0)
-        static = set(g.inputs)
+        self.static = static = set(g.inputs)
         for node in g.nodes:
             if all(v in static or g.values[v].is_literal for v in node.inputs):
                 static.update(node.outputs)
@@ -212,9 +212,11 @@ class MemoryModel:
                 last = max([at, *(t for t in heavy if t > at)])
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
                 start = at
-                if src < p.num_inputs and heavy and at == min(heavy):
-                    # the first gathering reader's copy, which the later ones share if they
-                    # read the same layout (theirs start at their reader: never hoisted twice)
+                if v in self.static and g.nodes[m - p.num_inputs].primitive not in FUSED:
+                    # A reshard of what only the inputs feed (a weight gathered for the forward
+                    # or the backward pass) is hoisted by XLA's scheduler before the first
+                    # layer and kept to its reader: a 2-layer Llama's live ranges on 8 devices
+                    # hold every layer's gathered kernel, the backward's too, from the start.
                     start = min(at, first)
                 self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start, last,
                                         f"reshard of v{v} for {what}"))
