@@ -148,7 +148,7 @@ def main(argv=None) -> int:
                 print(f"| {r['model']} | {r['mesh']} | {fmt_bytes(r['budget'])} | "
                       f"{fmt_bytes(r['estimate'])} | {fmt_bytes(r['peak'])} | "
                       f"{r['peak'] / r['budget']:.3f} | {r['peak'] / r['estimate']:.3f}"
-                      f"{' (off)' if off else ''} | {r["peak"] / r["model_peak"]:.3f} | "
+                      f"{' (off)' if off else ''} | {r['peak'] / r['model_peak']:.3f} | "
                       f"{'yes' if r['said'] else 'no'} | "
                       f"{'yes' if r['fits'] else 'NO'} | {r['seconds']:.1f} |", flush=True)
     return 1 if bad else 0
