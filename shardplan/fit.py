@@ -5,7 +5,7 @@ compiled program keeps what the model does not see (an operand XLA gathers in an
 the plan's strategy, its heap's gaps), a plan it fitted can compile over the budget. When a
 budget is given and the step's devices are at hand, the searched plan is compiled (never run)
 and its peak read (`memory_analysis()`); over the budget, the ILP plans again under a budget
-scaled by estimate / compiled peak (shardplan.measure.recalibrate), and the first plan that
+scaled by estimate / compiled peak (shardplan.replan.recalibrate), and the first plan that
 compiles within the budget is kept. Its estimate is then the compiled program's, priced as
 measure=True prices it (the model's stays in `model_estimate`). With measure=True the measured selection does this and
 more; without devices (shardplan.search on a cluster) the model alone judges the budget."""
@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Sequence
 
 from shardplan import measure
+from shardplan import replan as replan_mod
 from shardplan.analysis import target
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.intra import liveness
@@ -60,7 +61,7 @@ def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
                               donated=donated_inputs(traced, donate_argnums))[0]
 
     candidates = [run("searched", plan)]
-    stopped = measure.recalibrate(candidates, run, budget, replan)
+    stopped = replan_mod.recalibrate(candidates, run, budget, replan)
     priced = [c for c in candidates if c.priced is not None]
     if not priced:  # nothing compiled: the model's word stands, and the notes say why
         return dataclasses.replace(plan, notes=(

@@ -127,7 +127,7 @@ class MemoryModel:
         # and is not fused (the first layer's first dot or gather).
         self.first = min((pos[r] for v in g.inputs for r in readers.get(v, ())
                           if g.nodes[r].primitive not in FUSED), default=0)
-        self.static = static = set(g.inputs)
+        static = set(g.inputs)
         for node in g.nodes:
             if all(v in static or g.values[v].is_literal for v in node.inputs):
                 static.update(node.outputs)
@@ -193,8 +193,8 @@ class MemoryModel:
             # (an optimizer's update reads a weight in its own layout, not the gathered one).
             heavy = [self.pos[m - p.num_inputs] for m, _ in movers
                      if g.nodes[m - p.num_inputs].primitive not in FUSED]
-            seen = set()
-            for m, i in movers:
+            seen, lead = set(), None
+            for m, i in sorted(movers, key=lambda mi: self.pos[mi[0] - p.num_inputs]):
                 rm = root[m]
                 dsts = [p.in_spec(m, i, k) for k in range(len(p.strategies[rm]))]
                 key = (rm, tuple(dsts))
@@ -212,12 +212,20 @@ class MemoryModel:
                 last = max([at, *(t for t in heavy if t > at)])
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
                 start = at
-                if v in self.static and g.nodes[m - p.num_inputs].primitive not in FUSED:
-                    # A reshard of what only the inputs feed (a weight gathered for the forward
-                    # or the backward pass) is hoisted by XLA's scheduler before the first
-                    # layer and kept to its reader: a 2-layer Llama's live ranges on 8 devices
-                    # hold every layer's gathered kernel, the backward's too, from the start.
+                gathers = src < p.num_inputs and g.nodes[m - p.num_inputs].primitive not in FUSED
+                if gathers and at == min(heavy):
+                    # the first gathering reader's copy, which the later ones share if they
+                    # read the same layout (theirs start at their reader)
                     start = min(at, first)
+                    lead = (rm, dsts)
+                elif gathers and lead is not None and first < at:
+                    # A later reader (the backward pass) that wants another layout than the
+                    # first one's: XLA's scheduler hoists its gather too, before the first
+                    # layer (a 2-layer Llama on 8 devices whose forward dots read the kernels
+                    # as they are held every backward gather from the start).
+                    kl, km = _keys(lead[1], dsts)
+                    self.copies.append(Copy(lead[0], kl, np.zeros(len(kl)), rm, km, nbytes,
+                                            first, at - 1, f"hoisted reshard of v{v} for {what}"))
                 self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start, last,
                                         f"reshard of v{v} for {what}"))
                 if primitives.info(g.nodes[m - p.num_inputs].primitive).leader:
