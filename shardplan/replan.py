@@ -15,7 +15,7 @@ RECALIBRATIONS = 2
 
 
 def recalibrate(candidates: list, run, memory_budget: float | None,
-                 replan: Callable[[float], Plan] | None) -> str:
+                replan: Callable[[float], Plan] | None) -> str:
     """Re-plan under a tighter ILP budget while the last searched plan compiles over the
     budget (appending each re-plan to `candidates`); why it stopped early, or ""."""
     ilp_budget = memory_budget

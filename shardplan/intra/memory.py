@@ -193,8 +193,8 @@ class MemoryModel:
             # (an optimizer's update reads a weight in its own layout, not the gathered one).
             heavy = [self.pos[m - p.num_inputs] for m, _ in movers
                      if g.nodes[m - p.num_inputs].primitive not in FUSED]
-            seen, lead = set(), None
-            for m, i in sorted(movers, key=lambda mi: self.pos[mi[0] - p.num_inputs]):
+            seen = set()
+            for m, i in movers:
                 rm = root[m]
                 dsts = [p.in_spec(m, i, k) for k in range(len(p.strategies[rm]))]
                 key = (rm, tuple(dsts))
@@ -212,20 +212,10 @@ class MemoryModel:
                 last = max([at, *(t for t in heavy if t > at)])
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
                 start = at
-                gathers = src < p.num_inputs and g.nodes[m - p.num_inputs].primitive not in FUSED
-                if gathers and at == min(heavy):
+                if src < p.num_inputs and heavy and at == min(heavy):
                     # the first gathering reader's copy, which the later ones share if they
-                    # read the same layout (theirs start at their reader)
+                    # read the same layout (theirs start at their reader: never hoisted twice)
                     start = min(at, first)
-                    lead = (rm, dsts)
-                elif gathers and lead is not None and first < at:
-                    # A later reader (the backward pass) that wants another layout than the
-                    # first one's: XLA's scheduler hoists its gather too, before the first
-                    # layer (a 2-layer Llama on 8 devices whose forward dots read the kernels
-                    # as they are held every backward gather from the start).
-                    kl, km = _keys(lead[1], dsts)
-                    self.copies.append(Copy(lead[0], kl, np.zeros(len(kl)), rm, km, nbytes,
-                                            first, at - 1, f"hoisted reshard of v{v} for {what}"))
                 self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start, last,
                                         f"reshard of v{v} for {what}"))
                 if primitives.info(g.nodes[m - p.num_inputs].primitive).leader:
