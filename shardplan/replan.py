@@ -28,18 +28,20 @@ def recalibrate(candidates: list, run, memory_budget: float | None,
         try:
             again = replan(ilp_budget)
         except InfeasibleMemory as e:
-            # The scaled budget is below the least the model allows: the plan that needs the
-            # least by the model is the last one to try (once: the next scaling goes below).
-            floor = 1.01 * e.min_bytes
-            if not floor < 0.98 * last.plan.estimate.peak_bytes:
+            # The scaled budget is below the least the model allows: one more try between
+            # the two (1% above the least when it is proven, else halfway from its bound to
+            # the last plan's estimate), the plan that needs about the least by the model.
+            high = 0.98 * last.plan.estimate.peak_bytes
+            floor = 1.01 * e.min_bytes if e.exact else 0.5 * (e.min_bytes + high)
+            if not floor < high:
                 return (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: no "
                         f"plan fits it (the least any needs is {fmt_bytes(e.min_bytes)})")
             ilp_budget = floor
             try:
                 again = replan(ilp_budget)
             except (InfeasibleMemory, SearchTimeout):
-                return (f"; re-planning under {fmt_bytes(ilp_budget)} (1% above the least any "
-                        "plan needs) to fit once compiled: none found")
+                return (f"; re-planning under {fmt_bytes(ilp_budget)} (near the least any plan "
+                        "needs) to fit once compiled: none found")
         except SearchTimeout:
             return (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: the "
                     "time limit ran out")

@@ -64,8 +64,8 @@ def test_a_plan_said_to_fit_fits_and_its_estimate_is_within_tolerance(name, mesh
         peak, plan.model_estimate.peak_bytes)
 
 
-def _over_budget_at_first(monkeypatch, times):
-    """measure.measure reporting the first `times` programs compiled at 3x their peak."""
+def _over_budget_at_first(monkeypatch, times, factor):
+    """measure.measure reporting the first `times` programs compiled at `factor` x their peak."""
     real, calls = measure.measure, []
 
     def fake(*args, **kwargs):
@@ -74,15 +74,15 @@ def _over_budget_at_first(monkeypatch, times):
         if len(calls) > times:
             return got
         return dataclasses.replace(got, priced=dataclasses.replace(
-            got.priced, peak_bytes=3 * got.priced.peak_bytes))
+            got.priced, peak_bytes=factor * got.priced.peak_bytes))
 
     monkeypatch.setattr(measure, "measure", fake)
     return calls
 
 
-@pytest.mark.parametrize("times", [1, 3])
+@pytest.mark.parametrize("times,factor", [(1, 3), (3, 10)])
 def test_a_plan_compiled_over_the_budget_is_planned_again_or_not_said_to_fit(
-        times, mesh2x4, monkeypatch):
+        times, factor, mesh2x4, monkeypatch):
     """Under a budget on devices the plan is compiled: over the budget, the ILP plans again
     under a scaled budget (shardplan.fit); when no re-plan compiles within it either, the plan
     returned says it does not fit (its estimate is the compiled peak) and a warning says so."""
@@ -90,7 +90,7 @@ def test_a_plan_compiled_over_the_budget_is_planned_again_or_not_said_to_fit(
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     options = DEFAULTS.replace(memory_budget=300 * 2**10, time_limit=10.0,
                                state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
-    calls = _over_budget_at_first(monkeypatch, times)
+    calls = _over_budget_at_first(monkeypatch, times, factor)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = fit.plan_checked(traced, MeshShape.of(mesh2x4), get_profile("cpu"), options,
