@@ -8,7 +8,8 @@ and its peak read (`memory_analysis()`); over the budget, the ILP plans again un
 scaled by estimate / compiled peak (shardplan.replan.recalibrate), and the first plan that
 compiles within the budget is kept. Its estimate is then the compiled program's, priced as
 measure=True prices it (the model's stays in `model_estimate`). With measure=True the measured selection does this and
-more; without devices (shardplan.search on a cluster) the model alone judges the budget."""
+more; without devices (shardplan.search on a cluster), or when the time limit ran out before
+the check, the model alone judges the budget (and the notes say so)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from shardplan.search import donated_inputs, plan_graph
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import Deadline, fmt_bytes
 
+# The share of the time limit the search gets when the check follows it.
+CHECK_SHARE = 0.8
+
 
 def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
                  options: SearchOptions, *, device_mesh,
@@ -36,17 +40,24 @@ def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
                  donate_argnums: Sequence[int] | None = None) -> Plan:
     """shardplan.measure.plan_measured on `device_mesh`; then, without options.measure and
     under a memory budget, the plan compiled and held to the budget (see the module)."""
-    plan, graph, _ = measure.plan_measured(traced, mesh_shape, hw, options,
+    # One deadline for the plan, the check and the re-plans (the time limit bounds them all);
+    # under a budget the search gets CHECK_SHARE of it, the rest is the check's.
+    deadline = Deadline(options.time_limit)
+    checks = options.memory_budget is not None and not options.measure
+    search = options.replace(time_limit=CHECK_SHARE * options.time_limit) if checks else options
+    plan, graph, _ = measure.plan_measured(traced, mesh_shape, hw, search,
                                            device_mesh=device_mesh, device_order=device_order,
                                            donate_argnums=donate_argnums)
     budget = options.memory_budget
-    if options.measure or budget is None or plan.stages:
+    if not checks or plan.stages:
         return plan
+    if deadline.expired():
+        note = (f"memory not checked once compiled: the time limit ({options.time_limit:g} s) "
+                "ran out; the estimate is the memory model's")
+        return dataclasses.replace(plan, notes=(*plan.notes, note))
     start = time.perf_counter()
     widening = (liveness.cpu_widening(graph) if target.widens(device_mesh, hw) else 1.0)
     dtype = measure.compute_dtype(graph)
-    # The re-plans get a deadline of their own: the first plan may have used all of its.
-    deadline = Deadline(options.time_limit)
 
     def run(name, p):
         return measure.measure(graph, traced, p, device_mesh, hw, name, traced.state_argnums,
