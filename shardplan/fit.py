@@ -23,6 +23,7 @@ from shardplan import replan as replan_mod
 from shardplan.analysis import target
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.intra import liveness
+from shardplan.intra.ilp import SearchTimeout
 from shardplan.ir.trace import TracedStep
 from shardplan.options import SearchOptions
 from shardplan.plan import Plan
@@ -45,9 +46,15 @@ def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
     deadline = Deadline(options.time_limit)
     checks = options.memory_budget is not None and not options.measure
     search = options.replace(time_limit=CHECK_SHARE * options.time_limit) if checks else options
-    plan, graph, _ = measure.plan_measured(traced, mesh_shape, hw, search,
-                                           device_mesh=device_mesh, device_order=device_order,
-                                           donate_argnums=donate_argnums)
+    try:
+        plan, graph, _ = measure.plan_measured(traced, mesh_shape, hw, search,
+                                               device_mesh=device_mesh, device_order=device_order,
+                                               donate_argnums=donate_argnums)
+    except SearchTimeout as e:
+        if search is options:
+            raise
+        raise SearchTimeout(options.time_limit, f"the search had {e.time_limit_s:g} s of it, "
+                            "the compiled check of the memory the rest") from None
     budget = options.memory_budget
     if not checks or plan.stages:
         return plan
