@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan import _compat, distributed, measure
+from shardplan import _compat, distributed, fit, measure
 from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
@@ -217,10 +217,10 @@ class AutoStep:
             def obtain():
                 if self._given_plan is not None:
                     return self._given_plan
-                return cache_mod.cached(self.plan_cache, step_fp, lambda: measure.plan_measured(
+                return cache_mod.cached(self.plan_cache, step_fp, lambda: fit.plan_checked(
                     traced, MeshShape.of(mesh), hw, o1, device_mesh=mesh,
                     device_order=[d.id for d in mesh.devices.flat],
-                    donate_argnums=self.donate_argnums)[0])
+                    donate_argnums=self.donate_argnums))
 
             plan = distributed.plan_once(step_fp, obtain, broadcast=self._given_plan is None)
             plan, graph = _adopt(plan, traced, mesh)

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardplan import replan as replan_mod
 from shardplan.analysis import hlo, target
 from shardplan.analysis.price import PricedStep, price
 from shardplan.cost.hardware import HardwareProfile
@@ -217,14 +218,10 @@ def measure(graph: Graph, traced: TracedStep, plan: Plan, mesh, hw: HardwareProf
     return MeasuredProgram(name, plan, priced, stats=stats)
 
 
-def _measured_estimate(c: MeasuredProgram) -> Estimate:
+def measured_estimate(c: MeasuredProgram) -> Estimate:
     p = c.priced
     return Estimate(p.compute_s, p.comm_s, p.peak_bytes, c.plan.estimate.state_bytes,
                     p.bytes_sent)
-
-
-# Times the planner re-plans under a tighter budget when its plan compiles over the budget.
-RECALIBRATIONS = 2
 
 
 def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
@@ -242,7 +239,8 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
 
     The memory model misses some of XLA's temporaries, so a searched plan can compile over a
     budget it fitted by the estimate: then `replan(budget)` (the ILP under another budget) is
-    asked again with the budget scaled by estimate / compiled peak, up to RECALIBRATIONS
+    asked again with the budget scaled by estimate / compiled peak, up to
+    replan.RECALIBRATIONS
     times, and each re-plan is a candidate too. `complete` lays out the expert plans'
     intermediates (expert_plans)."""
     dtype = compute_dtype(graph)
@@ -254,7 +252,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
         return measure(graph, traced, p, mesh, hw, name, donate_argnums, dtype, widening)
 
     candidates = [run("searched", plan)]
-    stopped = _recalibrate(candidates, run, memory_budget, replan)
+    stopped = replan_mod.recalibrate(candidates, run, memory_budget, replan)
     for name, p in expert_plans(graph, plan, pinned, complete).items():
         candidates.append(run(name, p))
     priced = [c for c in candidates if c.priced is not None]
@@ -266,34 +264,11 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
             + _kept_note(best, fits, memory_budget) + _widening_note(widening))
     solver = (best.plan.solver if best.name.startswith("searched")
               else f"{best.plan.solver}; searched: {plan.solver}")
-    kept = dataclasses.replace(best.plan, estimate=_measured_estimate(best),
+    kept = dataclasses.replace(best.plan, estimate=measured_estimate(best),
                                model_estimate=best.plan.estimate,
                                notes=(*plan.notes, note), solver=solver,
                                search_s=plan.search_s, candidates=tuple(candidates))
     return kept, tuple(candidates)
-
-
-def _recalibrate(candidates: list[MeasuredProgram], run, memory_budget: float | None,
-                 replan: Callable[[float], Plan] | None) -> str:
-    """Re-plan under a tighter ILP budget while the last searched plan compiles over the
-    budget (appending each re-plan to `candidates`); why it stopped early, or ""."""
-    ilp_budget = memory_budget
-    for k in range(RECALIBRATIONS if replan is not None and memory_budget else 0):
-        last = candidates[-1]
-        if last.priced is None or last.fits(memory_budget) or last.plan.estimate.peak_bytes <= 0:
-            break
-        scaled = 0.98 * memory_budget * last.plan.estimate.peak_bytes / last.priced.peak_bytes
-        ilp_budget = min(0.98 * ilp_budget, scaled)
-        try:
-            again = replan(ilp_budget)
-        except InfeasibleMemory as e:
-            return (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: no "
-                    f"plan fits it (the least any needs is {fmt_bytes(e.min_bytes)})")
-        except SearchTimeout:
-            return (f"; re-planning under {fmt_bytes(ilp_budget)} to fit once compiled: the "
-                    "time limit ran out")
-        candidates.append(run(f"searched-{k + 1} (ILP budget {fmt_bytes(ilp_budget)})", again))
-    return ""
 
 
 def _cheapest(priced: list[MeasuredProgram], memory_budget: float | None) -> MeasuredProgram:

@@ -4,13 +4,14 @@ cases at test size; benchmarks/memory_check.py runs the zoo at three budgets on 
 devices. A bf16 step compiled on CPU is counted as the target would hold it (XLA:CPU computes
 bf16 through f32 buffers)."""
 
+import dataclasses
 import warnings
 
 import jax
 import pytest
 
 import shardplan
-from shardplan import measure
+from shardplan import fit, measure
 from shardplan.analysis import hlo, target
 from shardplan.cost.hardware import get_profile
 from shardplan.intra import liveness
@@ -52,11 +53,56 @@ def test_a_plan_said_to_fit_fits_and_its_estimate_is_within_tolerance(name, mesh
     plan = step.plan(*m.args)
     assert plan.estimate.peak_bytes <= budget
     assert any("margin of 10%" in n for n in plan.notes), plan.notes
+    assert any(n.startswith("memory checked once compiled") for n in plan.notes), plan.notes
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # donating abstract arguments warns
         peak = hlo.analyze(measure.compile_for_analysis(step.lower(*m.args))).peak_bytes
     assert peak <= budget, (peak, budget, plan.estimate.peak_bytes)
     assert abs(peak / plan.estimate.peak_bytes - 1) <= TOLERANCE, (peak, plan.estimate.peak_bytes)
+    # the memory model's own estimate, before the check compiled it
+    assert abs(peak / plan.model_estimate.peak_bytes - 1) <= TOLERANCE, (
+        peak, plan.model_estimate.peak_bytes)
+
+
+def _over_budget_at_first(monkeypatch, times, factor):
+    """measure.measure reporting the first `times` programs compiled at `factor` x their peak."""
+    real, calls = measure.measure, []
+
+    def fake(*args, **kwargs):
+        got = real(*args, **kwargs)
+        calls.append(got.name)
+        if len(calls) > times:
+            return got
+        return dataclasses.replace(got, priced=dataclasses.replace(
+            got.priced, peak_bytes=factor * got.priced.peak_bytes))
+
+    monkeypatch.setattr(measure, "measure", fake)
+    return calls
+
+
+@pytest.mark.parametrize("times,factor", [(1, 3), (3, 10)])
+def test_a_plan_compiled_over_the_budget_is_planned_again_or_not_said_to_fit(
+        times, factor, mesh2x4, monkeypatch):
+    """Under a budget on devices the plan is compiled: over the budget, the ILP plans again
+    under a scaled budget (shardplan.fit); when no re-plan compiles within it either, the plan
+    returned says it does not fit (its estimate is the compiled peak) and a warning says so."""
+    m = get_model("mlp", "tiny", abstract=True)
+    traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
+    options = DEFAULTS.replace(memory_budget=300 * 2**10, time_limit=10.0,
+                               state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
+    calls = _over_budget_at_first(monkeypatch, times, factor)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = fit.plan_checked(traced, MeshShape.of(mesh2x4), get_profile("cpu"), options,
+                                device_mesh=mesh2x4, donate_argnums=m.state_argnums)
+    note = next(n for n in plan.notes if n.startswith("memory checked once compiled"))
+    assert calls[0] == "searched" and calls[1].startswith("searched-1"), calls
+    assert plan.model_estimate is not None
+    said = [str(w.message) for w in caught if "no plan compiles within" in str(w.message)]
+    if times == 1:
+        assert plan.fits() and "kept searched-1" in note and not said, (note, said)
+    else:
+        assert not plan.fits() and "no plan compiled within" in note and said, (note, said)
 
 
 def _graph(name, **overrides):
