@@ -49,7 +49,9 @@ def test_a_plan_said_to_fit_fits_and_its_estimate_is_within_tolerance(name, mesh
     budget = int(share * _data_parallel_peak(m, mesh2x4))
     step = shardplan.auto(m.fn, mesh=mesh2x4, hardware="cpu", memory_budget=budget,
                           donate_argnums=m.state_argnums, state_argnums=m.state_argnums,
-                          batch_argnums=m.batch_argnums, time_limit=20)
+                          batch_argnums=m.batch_argnums, time_limit=60)
+    # (a generous limit: the check gets what the search leaves of it, and on a loaded machine
+    # a 20 s search used it all and the check was skipped)
     plan = step.plan(*m.args)
     assert plan.estimate.peak_bytes <= budget
     assert any("margin of 10%" in n for n in plan.notes), plan.notes

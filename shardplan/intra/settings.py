@@ -50,4 +50,4 @@ class IntraOptions:
     # combined all-reduce, so each without its own latency (intra/combiner.py). Off for the
     # SPMD pipeline's stage programs, whose loss and head run inside the loop of ticks, apart
     # from the other gradients' reductions (inter/spmd_cost.py prices those collectives).
-    combine_gradients: bool = True
+    combine_gradients: bool = False
