@@ -33,7 +33,8 @@ def _plan_and_compile(name, mesh_name):
     options = DEFAULTS.replace(state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
     plan, graph, intra = search.plan_step(
         traced, MeshShape.of(mesh), get_profile("cpu"), options, device_mesh=mesh,
-        device_order=[d.id for d in mesh.devices.flat], donate_argnums=m.state_argnums)
+        device_order=[d.id for d in mesh.devices.flat], donate_argnums=m.state_argnums,
+        combine_gradients=True)  # off by default (shardplan/intra/settings.py); its plans here
     lowered = measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
     return intra, hlo.analyze(measure.compile_for_analysis(lowered))
 
@@ -116,7 +117,8 @@ def test_terminal_values_are_the_gradients_and_the_loss():
 def test_ilp_prices_a_gradient_reduction_without_its_latency():
     _, g = _mlp_step()
     mesh = MeshShape(("x",), (8,))
-    problem = Problem(g, mesh, AlphaBetaCost(mesh, get_profile("a100-80gb")), IntraOptions())
+    problem = Problem(g, mesh, AlphaBetaCost(mesh, get_profile("a100-80gb")),
+                      IntraOptions(combine_gradients=True))
     grad = g.values[min(_gradients(g))]
     whole = ShardSpec.replicated(2)
     summed = whole.with_partial(("x",))
