@@ -66,9 +66,11 @@ def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
     widening = (liveness.cpu_widening(graph) if target.widens(device_mesh, hw) else 1.0)
     dtype = measure.compute_dtype(graph)
 
+    # compiled with the donation the step will run with (None: the state, as the model counts)
+    donate = traced.state_argnums if donate_argnums is None else tuple(donate_argnums)
+
     def run(name, p):
-        return measure.measure(graph, traced, p, device_mesh, hw, name, traced.state_argnums,
-                               dtype, widening)
+        return measure.measure(graph, traced, p, device_mesh, hw, name, donate, dtype, widening)
 
     def replan(ilp_budget: float) -> Plan:
         with warnings.catch_warnings():  # the first plan has warned about the same graph

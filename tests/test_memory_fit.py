@@ -139,3 +139,20 @@ def test_compiled_peaks_on_cpu_count_the_temporaries_as_the_target_holds_them(me
     assert target.on_target(stats, mesh2x4, gpu, 0.6).peak_bytes == 100 + 60 - 50 + 600
     assert target.on_target(stats, mesh2x4, get_profile("cpu"), 0.6) is stats
     assert target.on_target(stats, mesh2x4, gpu, 1.0) is stats
+
+
+def test_the_compiled_check_compiles_the_donation_the_step_runs_with(mesh2x4):
+    """A step that donates nothing holds its state twice (arguments and results): the check
+    compiles it so, and the peak it reports is the peak of the program that runs (it compiled
+    the state donated, as measure=True does, and read 128 KB where the step needs 206 KB)."""
+    m = get_model("mlp", "tiny", abstract=True)
+    budget = int(0.9 * _data_parallel_peak(m, mesh2x4))
+    step = shardplan.auto(m.fn, mesh=mesh2x4, hardware="cpu", memory_budget=budget,
+                          state_argnums=m.state_argnums, batch_argnums=m.batch_argnums,
+                          time_limit=60)
+    plan = step.plan(*m.args)
+    assert any(n.startswith("memory checked once compiled") for n in plan.notes), plan.notes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peak = hlo.analyze(measure.compile_for_analysis(step.lower(*m.args))).peak_bytes
+    assert plan.estimate.peak_bytes == pytest.approx(peak, rel=1e-6)
