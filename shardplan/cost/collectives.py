@@ -139,7 +139,6 @@ def _best_plan(shape, itemsize, src, dst, mesh, forms_rs, links) -> Plan:
     dst = ShardSpec(tuple(tuple(a for a in d if a in useful) for d in dst.dims))
     if src == dst:
         return ()
-    link_map = None if links is None else dict(links)
     # The candidates depend on the shape only through which splits divide it, i.e. through
     # gcd(dim, devices) per dimension, and their bytes scale with the value's: enumerated once
     # per such class (a model's many shapes share a few), scaled here.
@@ -151,11 +150,34 @@ def _best_plan(shape, itemsize, src, dst, mesh, forms_rs, links) -> Plan:
                      for op, c in unit_plan)
         comms = [c for _, c in plan if c]
         key = (comms_bytes(comms, mesh), len(comms), index)
-        if link_map is not None:
-            key = (comms_time(comms, mesh, link_map),) + key
+        if links is not None:
+            key = (_comms_time(comms, mesh, links),) + key
         if best_key is None or key < best_key:
             best, best_key = plan, key
     return best
+
+
+def _comms_time(comms: Sequence[Collective], mesh: MeshShape, links: tuple) -> float:
+    """ring.comms_time with each (kind, axes)'s link terms looked up once (`links` sorted
+    (axis, Link) pairs): the same arithmetic, so the same seconds to the last bit."""
+    total = []
+    for c in comms:
+        steps_latency, fraction, bandwidth = _ring_terms(c.kind, c.axes, mesh, links)
+        total.append(0.0 if bandwidth is None or c.nbytes <= 0
+                     else steps_latency + fraction * c.nbytes / bandwidth)
+    return math.fsum(total)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _ring_terms(kind: str, axes, mesh: MeshShape, links: tuple):
+    """(latency steps x latency, fraction of the buffer sent, bandwidth) of one collective
+    over `axes`, as ring.collective_time prices it; bandwidth None where it is free."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    link = slowest_link(axes, mesh, dict(links))
+    n = mesh.size(axes) if axes else 1
+    if link is None or n <= 1:
+        return 0.0, 0.0, None
+    return latency_steps(kind, n) * link.latency, bytes_sent(kind, 1.0, n), link.bandwidth
 
 
 @functools.lru_cache(maxsize=1 << 14)
