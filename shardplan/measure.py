@@ -11,8 +11,10 @@ never slower than the expert plans it was compared with, as priced, whatever the
 wrong; the model still finds the plans no expert would write.
 
 An expert candidate is what an expert writes by hand: the input shardings of data parallel,
-FSDP or Megatron (`intra/experts.py`, the same specs the ILP is seeded with) and nothing else,
-so XLA's sharding propagation chooses every intermediate.
+FSDP or Megatron (`intra/experts.py`, the same specs the ILP is seeded with); data parallel's
+intermediates are XLA's propagation, and a plan that splits the state has its intermediates
+laid out by the ILP with those inputs pinned (`expert_plans`: FSDP gathers each weight where
+it is read, Megatron splits the activations with its weights).
 
 `plan_measured` is shardplan.search.plan_step followed by this selection.
 """
