@@ -97,8 +97,8 @@ def _noted(plan: Plan, note: str) -> Plan:
 def _marked(plan: Plan, remat: TracedStep, why: str) -> Plan:
     r = remat.remat
     note = (f"scanned layers rematerialized ({why}): {r.pairs} differentiated scan(s) "
-            f"rewritten, the backward pass recomputes each layer from its input; "
-            f"{fmt_bytes(r.saved_bytes)} of stacked activations not kept, "
-            f"{fmt_bytes(r.carry_bytes)} of layer inputs kept instead (whole arrays, before "
+            f"rewritten, the backward pass recomputes each layer from its input: "
+            f"{fmt_bytes(r.saved_bytes)} of stacked activations dropped, "
+            f"{fmt_bytes(r.carry_bytes)} of stacked layer inputs kept (whole arrays, before "
             "sharding)")
     return dataclasses.replace(plan, remat=True, notes=(*plan.notes, note))

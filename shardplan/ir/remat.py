@@ -28,8 +28,9 @@ from shardplan import _compat
 
 @dataclasses.dataclass(frozen=True)
 class Remat:
-    """What `rematerialize` did: the rewritten jaxpr and how many scan pairs it rewrote, with
-    the bytes (at full size, per step) of residuals no longer stacked and of carries stacked."""
+    """What `rematerialize` did: the rewritten jaxpr, how many scan pairs it rewrote, the
+    bytes (whole arrays) of the forward scans' stacked outputs it dropped, and of the stacked
+    carries (layer inputs) the transposed scans read instead."""
 
     closed_jaxpr: object
     pairs: int
@@ -187,7 +188,6 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
             f_body_outs.append(c)
             f_outs.append(jcore.Var(jcore.unmapped_aval(length, 0, c.aval)))
             carry_stacks.append(f_outs[-1])
-            stats[2] += nbytes(f_outs[-1].aval)
         else:
             carry_stacks.append(f.outvars[ncar + y])
 
@@ -227,13 +227,13 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
     recompute = [_copy_eqn(e, rename) for e in f_body.eqns]
     for p, y in residuals.items():
         subst[b_vars[p]] = _read(rename, f_body.outvars[ncar + y])
-        stats[1] += nbytes(b_ins[p].aval)
     body_eqns = recompute + [e.replace(invars=[_read(subst, v) for v in e.invars])
                              for e in b_body.eqns]
     body_outs = [_read(subst, v) for v in b_body.outvars]
+    b_ins_new = [*consts_var, *carry_var, *xs_var]
     new_body = _dce(jcore.Jaxpr(
-        [*b_body.constvars, *const_vars], [*consts_var, *carry_var, *xs_var], body_outs,
-        body_eqns, _effects(body_eqns)))
+        [*b_body.constvars, *const_vars], b_ins_new, body_outs, body_eqns, _effects(body_eqns),
+        _debug_info(b_body, len(b_ins_new), len(body_outs))))
     new_b = b.replace(invars=[*consts_in, *carry_in, *xs_in], params=_scan_params(
         b.params, jcore.ClosedJaxpr(new_body, [*b_consts, *f_consts]), len(consts_in)))
 
@@ -243,7 +243,9 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
     keep = [k for k in range(ncar, len(f_outs)) if f_outs[k] in users]
     f_body_new = _dce(jcore.Jaxpr(
         f_body.constvars, f_body.invars, [*f_body_outs[:ncar], *(f_body_outs[k] for k in keep)],
-        f_body.eqns, f_body.effects))
+        f_body.eqns, f_body.effects, _debug_info(f_body, len(f_body.invars), ncar + len(keep))))
+    stats[1] += sum(nbytes(v.aval) for k, v in enumerate(f_outs) if k >= ncar and k not in keep)
+    stats[2] += sum(nbytes(v.aval) for v in carry_stacks)
     new_f = f.replace(outvars=[*f_outs[:ncar], *(f_outs[k] for k in keep)], params=_scan_params(
         f.params, jcore.ClosedJaxpr(f_body_new, f_consts), nc))
     stats[0] += 1
@@ -282,7 +284,16 @@ def _dce(jaxpr) -> jcore.Jaxpr:
     kept.reverse()
     if len(kept) == len(jaxpr.eqns):
         return jaxpr
-    return jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, kept, _effects(kept))
+    return jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, kept, _effects(kept),
+                       jaxpr.debug_info)
+
+
+def _debug_info(jaxpr, num_in: int, num_out: int):
+    """`jaxpr`'s debug info for a jaxpr of `num_in` inputs and `num_out` outputs (the names
+    and result paths of the rewritten body are unknown)."""
+    info = jaxpr.debug_info
+    return info._replace(arg_names=None if info.arg_names is None else ("",) * num_in,
+                         result_paths=None)
 
 
 def _scan_params(params: dict, body, num_consts: int) -> dict:
