@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from shardplan import fingerprint
-from shardplan.ir.graph import Role
 from shardplan.ir import remat as remat_mod
+from shardplan.ir.graph import Role
 from shardplan.ir.lift import ArgInfo
 from shardplan.options import path_str
 
