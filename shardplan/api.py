@@ -172,6 +172,9 @@ class AutoStep:
         fp = fingerprint_mod.of_step(traced, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
         multi = distributed.is_multi_controller()
+        if o.remat is True and o.pipeline is not False and self._given_plan is None:
+            raise ValueError(f"remat=True rematerializes the layers of one program; pipeline="
+                             f"{o.pipeline!r} plans as written: pass pipeline=False")
         if self._given_plan is None and multi and o.pipeline is not False:
             if o.pipeline == "auto":
                 # Process 0 chooses (one program, SPMD or MPMD pipeline) and broadcasts the

@@ -168,8 +168,8 @@ class SearchOptions:
     """Rematerialize scanned layers (shardplan.ir.remat: the backward pass recomputes each
     layer of a `lax.scan` / `nn.scan` from its input instead of keeping its stacked
     activations): "auto" only where no plan of the step as written fits the memory budget
-    and the rematerialized one does; True always; False never. One program only: pipeline
-    stages are planned as written."""
+    and the rematerialized one does; True always; False never. One program only: pipelines
+    (and shardplan.auto's choice with pipeline="auto") are planned as written."""
 
     def __post_init__(self):
         object.__setattr__(self, "hints", Hints.of(self.hints))
@@ -183,7 +183,7 @@ class SearchOptions:
         check_schedule(self.schedule)
         if not (isinstance(self.remat, bool) or self.remat == "auto"):
             raise ValueError(f"remat={self.remat!r}: use 'auto', True or False")
-        if self.remat is True and self.pipeline is not False:
+        if self.remat is True and self.pipeline in (True, "spmd", "mpmd"):
             raise ValueError(f"remat=True rematerializes the layers of one program; pipeline="
                              f"{self.pipeline!r} plans stages as written: pass pipeline=False, "
                              "or remat='auto'")

@@ -15,6 +15,7 @@ from jax.extend import core as jcore
 
 import shardplan
 from shardplan import _compat
+from shardplan.config import apply_overrides, parse_config
 from shardplan.fingerprint import plan_fingerprint
 from shardplan.intra import liveness
 from shardplan.intra.ilp import InfeasibleMemory
@@ -202,4 +203,14 @@ def test_remat_option_is_checked():
         shardplan.SearchOptions(remat="yes")
     with pytest.raises(ValueError, match="pipeline=False"):
         shardplan.SearchOptions(remat=True, pipeline=True)
+    with pytest.raises(ValueError, match="pipeline=False"):
+        shardplan.auto(mlp_step, remat=True, pipeline="auto").plan(*mlp_args(2, 8))
     assert shardplan.SearchOptions().remat == "auto"
+
+
+@pytest.mark.parametrize("value, want", [("true", True), ("false", False), ("auto", "auto")])
+def test_config_search_remat(value, want):
+    base = {"model": {"name": "mlp", "size": "tiny"},
+            "cluster": {"hardware": "a100-80gb", "mesh": {"shape": [2, 4]}}}
+    options = parse_config(apply_overrides(base, [f"search.remat={value}"])).search_options()
+    assert options.remat is want if isinstance(want, bool) else options.remat == want
