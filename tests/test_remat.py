@@ -198,6 +198,19 @@ def test_planned_remat_step_fits_compiled_runs_and_reloads(mesh8, tmp_path):
                        cache=False).plan(*args)
 
 
+def test_planned_remat_gpt_matches_the_single_device_step(mesh2x4):
+    m = get_model("gpt", "tiny", scan_layers=True, remat=False, num_layers=2, dropout_rate=0.0,
+                  optimizer="sgd")
+    step = shardplan.auto(m.fn, mesh=mesh2x4, remat=True, cache=False)
+    assert step.plan(*m.args).remat
+    want = jax.jit(m.fn)(*m.args)
+    got = step(*m.args)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-5)
+    old = jax.tree.leaves(m.args[:2])
+    for g, w, o in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2]), old):
+        np.testing.assert_allclose(np.asarray(g) - o, np.asarray(w) - o, rtol=1e-3, atol=1e-6)
+
+
 def test_remat_option_is_checked():
     with pytest.raises(ValueError, match="remat='yes'"):
         shardplan.SearchOptions(remat="yes")
