@@ -120,6 +120,31 @@ def test_rewrite_of_an_nnx_scan():
     check_rewrite(step, (state, jnp.ones((64, 32))))
 
 
+def test_rewrite_stacks_only_the_carries_the_recomputation_reads():
+    """A layer's random key carried through the layers is stacked (dropout recomputed with
+    the same bits), an accumulator no residual depends on is not."""
+    def loss(params, x, key):
+        def layer(c, w):
+            h, acc, k = c
+            k, sub = jax.random.split(k)
+            h = h + jnp.tanh(h @ w) * jax.random.bernoulli(sub, 0.9, h.shape)
+            return (h, acc + jnp.sum(h ** 2), k), None
+        (h, acc, _), _ = jax.lax.scan(layer, (x, jnp.zeros(()), key), params)
+        return jnp.mean(h ** 2) + 0.01 * acc
+
+    def step(params, x, key):
+        loss_, g = jax.value_and_grad(loss)(params, x, key)
+        return params - 0.1 * g, loss_
+
+    args = (jax.random.normal(jax.random.key(1), (4, 32, 32)) * 0.1,
+            jax.random.normal(jax.random.key(2), (16, 32)), jax.random.key(3))
+    check_rewrite(step, args, rtol=0, atol=0)
+    r = remat.rematerialize(jax.make_jaxpr(step)(*args))
+    forward = next(e for e in r.closed_jaxpr.jaxpr.eqns if e.primitive.name == "scan")
+    stacked = [v.aval.shape for v in forward.outvars[3:]]
+    assert sorted(stacked) == [(4,), (4, 16, 32)]  # the keys' and h's rows, no accumulator
+
+
 def test_unrecognised_steps_are_left_as_they_are():
     def forward_only(params, x):  # stacked ys read by no transposed scan
         return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w[0] @ w[1]), h), x, params)

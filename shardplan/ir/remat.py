@@ -142,22 +142,30 @@ def _recognised(f, b) -> bool:
             and not body.effects and not any(e.effects for e in body.eqns))
 
 
-def _carry_rows(f) -> list[int | None]:
-    """For each carry of F, the ys index F already stacks it at (its body emits the carry
-    input as a y), or None."""
+def _live(jaxpr, outs) -> set:
+    """The variables of `jaxpr` that the atoms `outs` are computed from (themselves too)."""
+    live = {v for v in outs if not isinstance(v, _compat.Literal)}
+    for e in reversed(jaxpr.eqns):
+        if any(v in live for v in e.outvars):
+            live.update(v for v in e.invars if not isinstance(v, _compat.Literal))
+    return live
+
+
+def _carry_rows(f, residuals: dict[int, int]) -> dict[int, int | None]:
+    """For each carry of F the recomputation of `residuals` reads: the ys index F already
+    stacks it at (its body emits the carry input as a y), or None."""
     body, nc, ncar = f.params["jaxpr"].jaxpr, f.params["num_consts"], f.params["num_carry"]
     ys = body.outvars[ncar:]
-    rows = []
-    for c in body.invars[nc:nc + ncar]:
-        rows.append(next((y for y, v in enumerate(ys) if v is c), None))
-    return rows
+    live = _live(body, [ys[y] for y in residuals.values()])
+    return {k: next((y for y, v in enumerate(ys) if v is c), None)
+            for k, c in enumerate(body.invars[nc:nc + ncar]) if c in live}
 
 
 def _gain(f, b, j: int, residuals: dict[int, int], users: dict) -> int:
     """Bytes F stops stacking minus the bytes of the carry rows it stacks anew."""
     ncar, length = f.params["num_carry"], f.params["length"]
-    rows = _carry_rows(f)
-    kept_rows = {y for y in rows if y is not None}
+    rows = _carry_rows(f, residuals)
+    kept_rows = {y for y in rows.values() if y is not None}
     freed = 0
     for y in set(residuals.values()) - kept_rows:
         out = f.outvars[ncar + y]
@@ -165,7 +173,7 @@ def _gain(f, b, j: int, residuals: dict[int, int], users: dict) -> int:
             freed += nbytes(out.aval)
     body = f.params["jaxpr"].jaxpr
     nc = f.params["num_consts"]
-    added = sum(length * nbytes(body.invars[nc + k].aval) for k, y in enumerate(rows) if y is None)
+    added = sum(length * nbytes(body.invars[nc + k].aval) for k, y in rows.items() if y is None)
     return freed - added
 
 
@@ -178,18 +186,18 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
     f_body, f_consts = f.params["jaxpr"].jaxpr, f.params["jaxpr"].consts
     nc, ncar, length = f.params["num_consts"], f.params["num_carry"], f.params["length"]
 
-    # F stacks its carry inputs (where it does not already)
-    rows = _carry_rows(f)
+    # F stacks the carry inputs the recomputation reads (where it does not already)
+    rows = _carry_rows(f, residuals)
     f_outs, f_body_outs = list(f.outvars), list(f_body.outvars)
-    carry_stacks = []
-    for k, y in enumerate(rows):
+    carry_stacks = {}
+    for k, y in rows.items():
         if y is None:
             c = f_body.invars[nc + k]
             f_body_outs.append(c)
             f_outs.append(jcore.Var(jcore.unmapped_aval(length, 0, c.aval)))
-            carry_stacks.append(f_outs[-1])
+            carry_stacks[k] = f_outs[-1]
         else:
-            carry_stacks.append(f.outvars[ncar + y])
+            carry_stacks[k] = f.outvars[ncar + y]
 
     # B: F's consts as more consts, the carry rows and F's xs as more xs
     b_body, b_consts = b.params["jaxpr"].jaxpr, b.params["jaxpr"].consts
@@ -217,14 +225,15 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
     for k, outer in enumerate(f.invars[:nc]):
         rename[f_body.invars[k]] = (outer if isinstance(outer, _compat.Literal)
                                     else operand(outer, f_body.invars[k], consts_in, consts_var))
-    for k, stack in enumerate(carry_stacks):
+    for k, stack in carry_stacks.items():
         rename[f_body.invars[nc + k]] = operand(stack, f_body.invars[nc + k], xs_in, xs_var)
     for k, outer in enumerate(f.invars[nc + ncar:]):
         rename[f_body.invars[nc + ncar + k]] = operand(outer, f_body.invars[nc + ncar + k],
                                                        xs_in, xs_var)
     const_vars = [jcore.Var(v.aval) for v in f_body.constvars]
     rename.update(zip(f_body.constvars, const_vars))
-    recompute = [_copy_eqn(e, rename) for e in f_body.eqns]
+    live = _live(f_body, [f_body.outvars[ncar + y] for y in residuals.values()])
+    recompute = [_copy_eqn(e, rename) for e in f_body.eqns if any(v in live for v in e.outvars)]
     for p, y in residuals.items():
         subst[b_vars[p]] = _read(rename, f_body.outvars[ncar + y])
     body_eqns = recompute + [e.replace(invars=[_read(subst, v) for v in e.invars])
@@ -245,7 +254,7 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
         f_body.constvars, f_body.invars, [*f_body_outs[:ncar], *(f_body_outs[k] for k in keep)],
         f_body.eqns, f_body.effects, _debug_info(f_body, len(f_body.invars), ncar + len(keep))))
     stats[1] += sum(nbytes(v.aval) for k, v in enumerate(f_outs) if k >= ncar and k not in keep)
-    stats[2] += sum(nbytes(v.aval) for v in carry_stacks)
+    stats[2] += sum(nbytes(v.aval) for v in carry_stacks.values())
     new_f = f.replace(outvars=[*f_outs[:ncar], *(f_outs[k] for k in keep)], params=_scan_params(
         f.params, jcore.ClosedJaxpr(f_body_new, f_consts), nc))
     stats[0] += 1
