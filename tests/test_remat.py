@@ -159,6 +159,19 @@ def test_unrecognised_steps_are_left_as_they_are():
         assert r.pairs == 0 and r.closed_jaxpr is closed
 
 
+def test_a_failed_rewrite_warns_and_leaves_the_step(monkeypatch):
+    closed = jax.make_jaxpr(mlp_step)(*mlp_args(2, 8))
+
+    def broken(eqns, outvars, i, j, residuals, stats):
+        stats[0] += 1
+        return [e.replace(invars=e.invars[:-1]) if k == j else e for k, e in enumerate(eqns)]
+
+    monkeypatch.setattr(remat, "_apply", broken)
+    with pytest.warns(UserWarning, match="planned as written: rematerializing them failed"):
+        r = remat.rematerialize(closed)
+    assert r.pairs == 0 and r.closed_jaxpr is closed
+
+
 def test_the_memory_model_counts_a_scans_stacked_ys_whole():
     """A scan's stacked ys are one buffer of every row, not fused into the slice that reads
     them (counted at one row, the model saw 1/L of the residuals and no gain in remat)."""

@@ -42,11 +42,17 @@ def rematerialize(closed) -> Remat:
     """The ClosedJaxpr `closed` with every recognised forward / transposed scan pair rewritten
     (inside calls and loop bodies too); `closed` itself when none is."""
     stats = [0, 0, 0]
-    jaxpr = _rewrite(closed.jaxpr, stats)
-    if not stats[0]:
+    try:
+        jaxpr = _rewrite(closed.jaxpr, stats)
+        if not stats[0]:
+            return Remat(closed, 0, 0, 0)
+        new = jcore.ClosedJaxpr(jaxpr, closed.consts)
+        jcore.check_jaxpr(new.jaxpr)
+    except Exception as e:  # noqa: BLE001 - a rewrite that does not type-check is not used
+        _compat.warn_at_caller(f"shardplan: the scanned layers are planned as written: "
+                               f"rematerializing them failed ({type(e).__name__}: "
+                               f"{str(e)[:200]})")
         return Remat(closed, 0, 0, 0)
-    new = jcore.ClosedJaxpr(jaxpr, closed.consts)
-    jcore.check_jaxpr(new.jaxpr)
     return Remat(new, stats[0], stats[1], stats[2])
 
 
