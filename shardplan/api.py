@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan import _compat, distributed, fit, measure
+from shardplan import _compat, distributed, fit, measure, remat_search
 from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
@@ -172,6 +172,9 @@ class AutoStep:
         fp = fingerprint_mod.of_step(traced, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
         multi = distributed.is_multi_controller()
+        if o.remat is True and o.pipeline is not False and self._given_plan is None:
+            raise ValueError(f"remat=True rematerializes the layers of one program; pipeline="
+                             f"{o.pipeline!r} plans as written: pass pipeline=False")
         if self._given_plan is None and multi and o.pipeline is not False:
             if o.pipeline == "auto":
                 # Process 0 chooses (one program, SPMD or MPMD pipeline) and broadcasts the
@@ -217,10 +220,11 @@ class AutoStep:
             def obtain():
                 if self._given_plan is not None:
                     return self._given_plan
-                return cache_mod.cached(self.plan_cache, step_fp, lambda: fit.plan_checked(
-                    traced, MeshShape.of(mesh), hw, o1, device_mesh=mesh,
-                    device_order=[d.id for d in mesh.devices.flat],
-                    donate_argnums=self.donate_argnums))
+                return cache_mod.cached(self.plan_cache, step_fp, lambda: remat_search.plan(
+                    traced, o1, lambda t: fit.plan_checked(
+                        t, MeshShape.of(mesh), hw, o1, device_mesh=mesh,
+                        device_order=[d.id for d in mesh.devices.flat],
+                        donate_argnums=self.donate_argnums)))
 
             plan = distributed.plan_once(step_fp, obtain, broadcast=self._given_plan is None)
             plan, graph = _adopt(plan, traced, mesh)
@@ -277,7 +281,7 @@ def _adopt(plan: Plan, traced: TracedStep, mesh):
     """The given plan checked against the step it is to run: (the plan on `mesh`, the graph).
     A different function only warns (the user may have edited it in a way that keeps the
     plan valid); different inputs or another mesh raise, as do specs that cannot apply."""
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
+    graph = lift(remat_search.traced_for(plan, traced).closed_jaxpr, traced.arg_info)
     again = "plan the step again (shardplan.auto without plan=, or shardplan.search)"
     actual = MeshShape.of(mesh)
     if tuple(plan.mesh.names) != tuple(actual.names) or tuple(plan.mesh.sizes) != tuple(actual.sizes):
@@ -366,7 +370,9 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
         (shardings to pin, the planner choosing the rest: a dict {path pattern:
         PartitionSpec} such as {"2/**": P("data")}, or a shardplan.Hints with
         logical_axis_rules for parameters that carry logical axis names; see
-        docs/concepts.md#hints).
+        docs/concepts.md#hints), remat ("auto": rematerialize the layers of a scan, the
+        backward pass recomputing each from its input, only where no plan of the step as
+        written fits memory_budget; True: always; False: never).
       cache: reuse plans saved on disk by step fingerprint (shardplan.cache): True (the
         directory $SHARDPLAN_CACHE or ~/.cache/shardplan), False, or a directory.
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shardplan import fingerprint, measure
+from shardplan import fingerprint, measure, remat_search
 from shardplan import hints as hints_mod
 from shardplan.api import _check_fn, _options
 from shardplan.cost.hardware import HardwareProfile, get_profile
@@ -94,7 +94,8 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
     options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args))
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
     shape = MeshShape(names, mesh_shape)
-    plan, _, _ = measure.plan_measured(traced, shape, hw, options)
+    plan = remat_search.plan(traced, options,
+                             lambda t: measure.plan_measured(t, shape, hw, options)[0])
     return dataclasses.replace(plan, fingerprint=fingerprint.of_step(traced, shape))
 
 

@@ -170,6 +170,10 @@ class SearchSection(_Section):
     """The ILP solver's random seed (plans are deterministic for a seed)."""
     workers: int = Field(DEFAULTS.workers, ge=1)
     """Solver threads (1 keeps plans deterministic)."""
+    remat: bool | Literal["auto"] = DEFAULTS.remat
+    """Rematerialize the layers of a scan (the backward pass recomputes each from its input):
+    auto (only where no plan of the step as written fits the memory budget), true, false; see
+    shardplan.SearchOptions.remat."""
     measure: bool = True
     """Compile the searched plan and the expert plans with XLA on CPU devices, price each
     with the cluster's profile and keep the cheapest that fits (meshes of at most 64
@@ -254,7 +258,7 @@ class Config(_Section):
         return SearchOptions(memory_budget=self.budget_bytes(), time_limit=s.time_limit,
                              solver_seed=s.solver_seed, workers=s.workers, pipeline=s.pipeline,
                              num_micro_batches=s.num_micro_batches, schedule=s.schedule,
-                             measure=s.measure, hints=s.to_hints())
+                             measure=s.measure, hints=s.to_hints(), remat=s.remat)
 
 
 def _resolve(hardware: str, source: str | None) -> str:

@@ -164,6 +164,12 @@ class SearchOptions:
     hints: Hints = Hints()
     """Shardings to pin (a Hints, or a dict / list of (pattern, PartitionSpec) pairs): the
     planner keeps them and plans the rest. One program only (not with pipeline=True)."""
+    remat: bool | str = "auto"
+    """Rematerialize scanned layers (shardplan.ir.remat: the backward pass recomputes each
+    layer of a `lax.scan` / `nn.scan` from its input instead of keeping its stacked
+    activations): "auto" only where no plan of the step as written fits the memory budget
+    and the rematerialized one does; True always; False never. One program only: pipelines
+    (and shardplan.auto's choice with pipeline="auto") are planned as written."""
 
     def __post_init__(self):
         object.__setattr__(self, "hints", Hints.of(self.hints))
@@ -175,6 +181,12 @@ class SearchOptions:
             raise ValueError(f"pipeline={self.pipeline!r}: use 'auto', True, False, 'spmd' or "
                              "'mpmd'")
         check_schedule(self.schedule)
+        if not (isinstance(self.remat, bool) or self.remat == "auto"):
+            raise ValueError(f"remat={self.remat!r}: use 'auto', True or False")
+        if self.remat is True and self.pipeline in (True, "spmd", "mpmd"):
+            raise ValueError(f"remat=True rematerializes the layers of one program; pipeline="
+                             f"{self.pipeline!r} plans stages as written: pass pipeline=False, "
+                             "or remat='auto'")
         if not self.time_limit > 0:
             raise ValueError(f"time_limit={self.time_limit!r}: give seconds > 0")
         if not self.while_trips >= 1:

@@ -93,6 +93,10 @@ class Plan:
     stage_in_shardings: tuple | None = None
     """An emitted MPMD pipeline's input NamedShardings (flat), each on its stage's submesh."""
     stage_out_shardings: tuple | None = None  # likewise the outputs; both in memory only
+    remat: bool = False
+    """The step's scanned layers are rematerialized (shardplan.ir.remat): the plan is for the
+    rewritten step (its value and node ids are that step's), and running or adopting the plan
+    rewrites the step the same way."""
     candidates: tuple = ()
     """Every program the measured selection compiled and priced, or why it failed
     (shardplan.measure.MeasuredProgram: name, plan, priced, error); in memory only, not in
@@ -177,6 +181,8 @@ class Plan:
             "schedule": self.schedule,
             "pipeline_kind": self.pipeline_kind,
             "notes": list(self.notes),
+            # only when set: files of plans without it stay as they were
+            **({"remat": True} if self.remat else {}),
         }
 
     @classmethod
@@ -218,7 +224,8 @@ class Plan:
         fits = self.fits()
         budget = ("" if fits is None else f" ({'fits' if fits else 'OVER'} the budget of "
                                            f"{fmt_bytes(self.memory_budget)})")
-        console.print(f"shardplan plan on mesh {mesh}, hardware {self.hardware}")
+        console.print(f"shardplan plan on mesh {mesh}, hardware {self.hardware}"
+                      + (", scanned layers rematerialized" if self.remat else ""))
         console.print(f"estimate per step ({self.estimate_source}): {fmt_seconds(e.total_s)} = "
                       f"compute "
                       f"{fmt_seconds(e.compute_s)} + communication {fmt_seconds(e.comm_s)} "
@@ -402,7 +409,7 @@ class _PlanReader:
             num_micro_batches=self.get(d, "num_micro_batches", int, "plan", 1),
             schedule=self.get(d, "schedule", str, "plan", ""), pipeline_kind=kind,
             notes=tuple(self.items(d, "notes", str, "plan", ())), fingerprint=fp,
-            model_estimate=model)
+            model_estimate=model, remat=self.get(d, "remat", bool, "plan", False))
 
     def int_key(self, k: str, where: str) -> int:
         try:

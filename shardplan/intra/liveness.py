@@ -83,6 +83,9 @@ _CHEAP = """
 CHEAP = frozenset(_CHEAP.split())
 # Ops that are not fused whatever the table says: XLA:CPU runs them as loops of their own.
 UNFUSED = GENERATORS | {"threefry2x32"}
+# A scan's stacked ys: a buffer of every iteration's row, written whole (its row in the body is
+# the value written in place), whoever reads it: never fused into a reader.
+STACKED = frozenset({"loop_stack"})
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
                         "argmin", "reduce_and", "reduce_or"})
 
@@ -142,7 +145,7 @@ def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
             last[v] = max(max(pos[r] for r in rs),
                           max((last[o] for r in rs for o in graph.nodes[r].outputs
                                if o in virtual), default=0))
-            if v in outputs or node.primitive not in fused:
+            if v in outputs or node.primitive not in fused or node.primitive in STACKED:
                 continue
             if all(graph.nodes[r].primitive in takes_in for r in rs) and (
                     len(rs) == 1 or (node.primitive in CHEAP and _unary(graph, node, producer)

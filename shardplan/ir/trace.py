@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from shardplan import fingerprint
+from shardplan.ir import remat as remat_mod
 from shardplan.ir.graph import Role
 from shardplan.ir.lift import ArgInfo
 from shardplan.options import path_str
@@ -27,12 +28,24 @@ class TracedStep:
     state_argnums: tuple[int, ...]
     arg_leaf_counts: tuple[int, ...]
     input_paths: tuple[str, ...] = ()  # '/'-joined, argument index first (options.path_str)
+    remat: remat_mod.Remat | None = None
+    """Set on the step `rematerialized` gives: what the rewrite did (None: the step as traced)."""
 
     @functools.cached_property
     def jaxpr_digest(self) -> str:
         """Hash of the jaxpr printed without source information (printing a large step takes
         about a second, so it is done once per trace)."""
         return fingerprint.digest(fingerprint.jaxpr_text(self.closed_jaxpr))
+
+    @functools.cached_property
+    def rematerialized(self) -> TracedStep | None:
+        """This step with its scanned layers rematerialized (shardplan.ir.remat), or None
+        where no scan pair is recognised; rewritten once per trace. Inputs, outputs and their
+        roles are the step's own."""
+        if self.remat is not None:
+            return self
+        r = remat_mod.rematerialize(self.closed_jaxpr)
+        return dataclasses.replace(self, closed_jaxpr=r.closed_jaxpr, remat=r) if r.pairs else None
 
 
 def abstractify(x):
