@@ -221,8 +221,8 @@ class AutoStep:
                 if self._given_plan is not None:
                     return self._given_plan
                 return cache_mod.cached(self.plan_cache, step_fp, lambda: remat_search.plan(
-                    traced, o1, lambda t: fit.plan_checked(
-                        t, MeshShape.of(mesh), hw, o1, device_mesh=mesh,
+                    traced, o1, lambda t, o: fit.plan_checked(
+                        t, MeshShape.of(mesh), hw, o, device_mesh=mesh,
                         device_order=[d.id for d in mesh.devices.flat],
                         donate_argnums=self.donate_argnums)))
 

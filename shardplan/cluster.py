@@ -95,7 +95,7 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
     shape = MeshShape(names, mesh_shape)
     plan = remat_search.plan(traced, options,
-                             lambda t: measure.plan_measured(t, shape, hw, options)[0])
+                             lambda t, o: measure.plan_measured(t, shape, hw, o)[0])
     return dataclasses.replace(plan, fingerprint=fingerprint.of_step(traced, shape))
 
 

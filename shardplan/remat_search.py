@@ -17,25 +17,28 @@ from shardplan.intra.ilp import InfeasibleMemory
 from shardplan.ir.trace import TracedStep
 from shardplan.options import SearchOptions
 from shardplan.plan import Plan
-from shardplan.units import fmt_bytes
+from shardplan.units import Deadline, fmt_bytes
 
 
 def plan(traced: TracedStep, options: SearchOptions,
-         plan_fn: Callable[[TracedStep], Plan]) -> Plan:
-    """The plan `plan_fn` makes of `traced` as written or rematerialized, as options.remat
-    says (see the module). Pipelines (options.pipeline not False) are planned as written."""
+         plan_fn: Callable[[TracedStep, SearchOptions], Plan]) -> Plan:
+    """The plan `plan_fn` makes of `traced` (under the options it is given) as written or
+    rematerialized, as options.remat says (see the module). Pipelines (options.pipeline not
+    False) are planned as written. Under "auto" the two plans share options.time_limit: the
+    second gets what the first left, at least the grace Deadline allows a running solve."""
     if options.remat is False or options.pipeline is not False:
-        return plan_fn(traced)
+        return plan_fn(traced, options)
     remat = traced.rematerialized
     if options.remat is True:
         if remat is None:
-            return _noted(plan_fn(traced), "remat=True: no scanned layers to rematerialize (no "
-                          "differentiated scan whose residuals the backward pass reads); the "
-                          "step is planned as written")
-        return _marked(plan_fn(remat), remat, "remat=True")
+            return _noted(plan_fn(traced, options), "remat=True: no scanned layers to "
+                          "rematerialize (no differentiated scan whose residuals the backward "
+                          "pass reads); the step is planned as written")
+        return _marked(plan_fn(remat, options), remat, "remat=True")
     if options.memory_budget is None:
-        return plan_fn(traced)
-    first, error, caught = _attempt(plan_fn, traced)
+        return plan_fn(traced, options)
+    deadline = Deadline(options.time_limit)
+    first, error, caught = _attempt(plan_fn, traced, options)
     if first is not None and first.fits() is not False or remat is None:
         _rewarn(caught)
         if error is not None:
@@ -44,7 +47,9 @@ def plan(traced: TracedStep, options: SearchOptions,
     budget = fmt_bytes(options.memory_budget)
     as_written = (f"needs at least {fmt_bytes(error.min_bytes)}" if error is not None else
                   f"its best plan needs {fmt_bytes(first.estimate.peak_bytes)}")
-    second, error2, caught2 = _attempt(plan_fn, remat)
+    rest = options.replace(time_limit=max(deadline.limit_s - deadline.elapsed(),
+                                          deadline.grace * deadline.limit_s))
+    second, error2, caught2 = _attempt(plan_fn, remat, rest)
     if second is None:
         if first is not None:
             _rewarn(caught)
@@ -75,12 +80,12 @@ def traced_for(plan: Plan, traced: TracedStep) -> TracedStep:
     return remat
 
 
-def _attempt(plan_fn, traced: TracedStep):
+def _attempt(plan_fn, traced: TracedStep, options: SearchOptions):
     """(plan or None, InfeasibleMemory or None, the warnings planning raised, held back)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            return plan_fn(traced), None, caught
+            return plan_fn(traced, options), None, caught
         except InfeasibleMemory as e:
             return None, e, caught
 
