@@ -125,7 +125,8 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
                             num_stages: int, num_micro_batches: int,
                             carry_specs: Sequence | None = None,
                             operand_specs: Mapping | None = None,
-                            post_specs: Mapping | None = None):
+                            post_specs: Mapping | None = None,
+                            backward_specs: Mapping | None = None):
     """(loss, gradient leaves of the flat positions `diff`) of the traced loss, by a 1F1B
     SPMD pipeline over the mesh's stage axis; `carry_specs`: the PartitionSpecs the layers
     hold the carry in, `operand_specs` the layouts a layer reads its operands in
@@ -140,7 +141,7 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
     if len(cut.outvars) != 1:
         raise ValueError("SPMD pipeline, 1F1B: the loss function returns auxiliary values "
                          "(has_aux with leaves); use schedule='gpipe'")
-    layers = stage_layers(cut.scan, L // S, carry_specs, operand_specs)
+    layers = stage_layers(cut.scan, L // S, carry_specs, operand_specs, backward_specs)
     diff = list(diff)
     dpos = {i: k for k, i in enumerate(diff)}
 

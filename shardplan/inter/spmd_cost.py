@@ -46,6 +46,7 @@ from shardplan._compat import Literal
 from shardplan.cost import ring
 from shardplan.cost.estimate import Estimate
 from shardplan.cost.hardware import HardwareProfile
+from shardplan.inter import layer_backward, layer_scan
 from shardplan.inter.layer_scan import STAGE_AXIS, LossTrace
 from shardplan.intra.planner import IntraPlan
 from shardplan.ir import interpret
@@ -254,6 +255,25 @@ def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], Sh
     return _matched_specs(interpret.leaf_eqns(body), nodes, stage)
 
 
+def body_backward_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], ShardSpec]:
+    """The layouts the stage's intra-op plan reads each operand of the layer's backward in:
+    {(equation of the layer's backward jaxpr, layer_backward's numbering; operand): spec},
+    matched in order to the planned graph's backward scan over layers (as
+    body_operand_specs), for the pipeline's layers to run their backward as the plan does
+    (shardplan.inter.layer_backward)."""
+    _, bwd = layer_loops(stage.graph, lt)
+    graph = stage.graph
+    outer = [lp for lp in sorted(bwd) if graph.loops[lp].parent not in bwd]
+    if not outer:
+        return {}
+    loop = graph.loops[outer[0]]
+    pseudo = set(loop.enter) | set(loop.leave)
+    nodes = [graph.nodes[n] for n in loop.bodies[-1].nodes
+             if graph.nodes[n].loop == loop.id and n not in pseudo]
+    closed = layer_scan.layer_backward_jaxpr(lt.micro.jaxpr.eqns[lt.micro_scan.index])
+    return _matched_specs(layer_backward.backward_eqns(closed), nodes, stage, results=True)
+
+
 def post_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], ShardSpec]:
     """The layouts the micro-batch step's plan `stage` reads each operand of the loss's
     equations after the scan over layers in (the head and loss, which 1F1B runs every tick):
@@ -270,9 +290,11 @@ def post_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], Sh
     return _matched_specs(interpret.leaf_eqns(eqns), nodes, stage)
 
 
-def _matched_specs(eqns, nodes, p: Priced) -> dict[tuple[int, int], ShardSpec]:
+def _matched_specs(eqns, nodes, p: Priced, results: bool = False
+                   ) -> dict[tuple[int, int], ShardSpec]:
     """{(i, j): spec}: equation i of `eqns` matched to the next of `nodes` (in order) with its
-    primitive and output shapes, its operand j read in that node's strategy's spec."""
+    primitive and output shapes, its operand j read in that node's strategy's spec; with
+    `results`, its result k given in it under (i, -1 - k) (partial specs left out)."""
     graph, intra = p.graph, p.intra
     out, at = {}, 0
     for i, eqn in enumerate(eqns):
@@ -296,6 +318,11 @@ def _matched_specs(eqns, nodes, p: Priced) -> dict[tuple[int, int], ShardSpec]:
                 if (not isinstance(v, Literal) and spec is not None and not spec.partial
                         and spec.dims and len(spec.dims) == len(v.aval.shape)):
                     out[(i, j)] = spec
+            for r, (v, spec) in enumerate(zip(eqn.outvars, strategy.out_specs if strategy and
+                                              results else ())):
+                if (spec is not None and not spec.partial and spec.dims
+                        and len(spec.dims) == len(v.aval.shape)):
+                    out[(i, -1 - r)] = spec
             at = k + 1
             break
     return out
