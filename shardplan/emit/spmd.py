@@ -86,6 +86,8 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
         carry_m = hold([x.astype(d) for x, d in zip(carry_m, dtypes[len(consts):])], 1)
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
+        if backward_specs:
+            local = layer_scan.held_parameters(micro_eqn, local, operand_specs)
         first, last = s == 0, s == S - 1
 
         def tick(t, loop):

@@ -31,6 +31,7 @@ from shardplan.inter.layer_scan import (
     LossTrace,
     constrained,
     held,
+    held_parameters,
     stage_layers,
     stage_psum,
 )
@@ -184,6 +185,8 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
         carry_m = hold(carry_m, 1)
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
+        if backward_specs:
+            local = held_parameters(cut.scan, local, operand_specs)
         first, last = s == 0, s == S - 1
 
         def pick(stack, m):

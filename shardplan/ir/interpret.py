@@ -183,6 +183,29 @@ def leaf_eqns(jaxpr) -> list:
     return out
 
 
+def leaf_readers(jaxpr) -> list[tuple[int, int, int]]:
+    """(leaf equation i, operand j, k): leaf equation i (leaf_eqns' numbering) reads the open
+    jaxpr's input k as its operand j, through the calls it enters."""
+    out: list[tuple[int, int, int]] = []
+
+    def walk(eqns, where: dict, at: int) -> int:
+        for eqn in eqns:
+            inner = _entered(eqn)
+            if inner is None:
+                out.extend((at, j, where[v]) for j, v in enumerate(eqn.invars)
+                           if not isinstance(v, _compat.Literal) and v in where)
+                at += 1
+            else:
+                sub = inner[0]
+                inner_where = {w: where[v] for w, v in zip(sub.invars, eqn.invars)
+                               if not isinstance(v, _compat.Literal) and v in where}
+                at = walk(sub.eqns, inner_where, at)
+        return at
+
+    walk(jaxpr.eqns, {v: k for k, v in enumerate(jaxpr.invars)}, 0)
+    return out
+
+
 def eval_leaves(closed, args: Sequence, operand: Callable,
                 result: Callable | None = None, skip: Callable | None = None) -> list:
     """The outputs of a (Closed)Jaxpr on `args`, the calls lift inlines entered (a remat
