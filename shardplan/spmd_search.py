@@ -116,7 +116,8 @@ def spmd_plan(intra: Plan, full: spmd_cost.Priced, stage: spmd_cost.Priced | Non
     pmesh = MeshShape(p_names, p_sizes)
     carries = spmd_cost.carry_specs(stage, lt) if stage is not None else None
     inside = spmd_cost.body_operand_specs(stage, lt) if stage is not None else {}
-    back = spmd_cost.body_backward_specs(stage, lt) if stage is not None and inside else {}
+    back = (spmd_cost.body_backward_specs(stage, lt, inside)
+            if stage is not None and inside else {})
     # 1F1B runs the head and loss every tick inside its loop: in the micro-batch plan's
     # layouts (GPipe runs them once at full batch outside, where XLA's own layouts measured
     # as well or better: at GPT 6.7B 8x8 within 3%, on a small GPT 1.03x against 1.19x)

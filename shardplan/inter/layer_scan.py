@@ -351,19 +351,27 @@ def _ct_held_bwd(spec, _, ct):
 _ct_held.defvjp(_ct_held_fwd, _ct_held_bwd)
 
 
+def parameter_read_specs(micro_eqn, operand_specs: Mapping | None) -> dict[int, Any]:
+    """{k: spec}: the layout the layer first reads its stacked parameter k (the scan's xs, in
+    order) in, from `operand_specs` ((leaf equation, operand) -> spec)."""
+    body = micro_eqn.params["jaxpr"].jaxpr
+    first = len(body.invars) - (len(micro_eqn.invars) - micro_eqn.params["num_consts"]
+                                - micro_eqn.params["num_carry"])
+    specs: dict[int, Any] = {}
+    for i, j, k in interpret.leaf_readers(body):
+        spec = (operand_specs or {}).get((i, j))
+        if k >= first and spec is not None:
+            specs.setdefault(k - first, spec)
+    return specs
+
+
 def held_parameters(micro_eqn, stacked: Sequence, operand_specs: Mapping | None) -> list:
     """A stage's stacked parameters (the scan's xs, [layers, ...]) held once, before the
     pipeline's loop, in the layout the layer first reads each in (forward only: their
     gradients' layout is the backward's). Without it XLA hoists the layers' reads of them out
     of the loop of ticks into a loop of its own, whose collectives XLA:CPU may run in another
     order on different devices than the step's other collectives (a deadlock)."""
-    body = micro_eqn.params["jaxpr"].jaxpr
-    first = len(body.invars) - len(stacked)
-    specs: dict[int, Any] = {}
-    for i, j, k in interpret.leaf_readers(body):
-        spec = (operand_specs or {}).get((i, j))
-        if k >= first and spec is not None:
-            specs.setdefault(k - first, spec)
+    specs = parameter_read_specs(micro_eqn, operand_specs)
     return [x if k not in specs else layer_backward.forward_held(
         x, jax.sharding.PartitionSpec(None, *specs[k])) for k, x in enumerate(stacked)]
 
