@@ -19,6 +19,9 @@ its L/S layers (the scan's own body) on micro-batch t - s and hands the result t
 with `lax.ppermute`. The last stage collects the outputs; a psum over the stage axis gives
 them to every stage. The backward pass is JAX's autodiff through the loop: each ppermute
 transposes to the reverse permute, so the backward runs the same schedule mirrored (GPipe).
+Where the plan's backward lays out a parameter's gradient otherwise than autodiff of the
+forward's layouts would, a layer's backward runs as its own jaxpr in the plan's backward
+layouts (shardplan.inter.layer_backward; the plan's operand_specs under layer_scan.BACKWARD).
 """
 
 from __future__ import annotations
