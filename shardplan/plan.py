@@ -70,7 +70,8 @@ class Plan:
         default_factory=dict)
     """(node, operand) -> the layouts the operand is moved through; for an SPMD pipeline,
     (equation of the layer body, operand), and under negative keys (layer_scan.post_key) the
-    head's and loss's equations after the scan (1F1B)."""
+    head's and loss's equations after the scan (1F1B), under keys from layer_scan.BACKWARD
+    the layer's backward's equations (layer_backward; a negative operand: a result)."""
     memory_budget: float | None = None
     ops: tuple[OpRow, ...] = ()
     stages: tuple[Stage, ...] = ()

@@ -19,6 +19,9 @@ its L/S layers (the scan's own body) on micro-batch t - s and hands the result t
 with `lax.ppermute`. The last stage collects the outputs; a psum over the stage axis gives
 them to every stage. The backward pass is JAX's autodiff through the loop: each ppermute
 transposes to the reverse permute, so the backward runs the same schedule mirrored (GPipe).
+Where the plan's backward lays out a parameter's gradient otherwise than autodiff of the
+forward's layouts would, a layer's backward runs as its own jaxpr in the plan's backward
+layouts (shardplan.inter.layer_backward; the plan's operand_specs under layer_scan.BACKWARD).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def pipeline_mesh(mesh: Mesh, num_stages: int) -> Mesh:
 
 def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
                    num_micro_batches: int, carry_specs: Sequence | None = None,
-                   operand_specs: Mapping | None = None) -> list:
+                   operand_specs: Mapping | None = None,
+                   backward_specs: Mapping | None = None) -> list:
     """The outputs of scan `eqn` on `ins`, computed by a GPipe pipeline over the mesh's stage
     axis. `micro_eqn` is the same scan traced on one micro-batch (its body runs per tick);
     `carry_specs`, `operand_specs`: the PartitionSpecs its layers hold the carry in and read
@@ -64,7 +68,8 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
     nc, nk = p["num_consts"], p["num_carry"]
     consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + nk]), list(ins[nc + nk:])
     B = carry[0].shape[0]
-    layers = layer_scan.stage_layers(micro_eqn, L // S, carry_specs, operand_specs)
+    layers = layer_scan.stage_layers(micro_eqn, L // S, carry_specs, operand_specs,
+                                     backward_specs)
 
     carry_m = [c.reshape(M, B // M, *c.shape[1:]) for c in carry]
     xs_s = [x.reshape(S, L // S, *x.shape[1:]) for x in xs]
@@ -84,6 +89,8 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
         carry_m = hold([x.astype(d) for x, d in zip(carry_m, dtypes[len(consts):])], 1)
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
+        if backward_specs:
+            local = layer_scan.held_parameters(micro_eqn, local, operand_specs)
         first, last = s == 0, s == S - 1
 
         def tick(t, loop):
@@ -143,12 +150,13 @@ class PipelinedGrad:
         if lt.obstacle is not None:
             raise ValueError(f"SPMD pipeline: {lt.obstacle}; plan with pipeline=False")
         diff_tree = jax.tree_util.tree_structure(tuple(args[a % len(args)] for a in nums))
-        body_specs, post_specs = layer_scan.split_operand_specs(dict(self.operand_specs))
+        body_specs, post_specs, back_specs = layer_scan.split_operand_specs(
+            dict(self.operand_specs))
         # post_specs: 1F1B's (its head runs in the loop); GPipe's runs as traced
         if self.schedule == "1f1b":
             loss, grads = spmd_1f1b.pipelined_loss_and_grad(
                 lt, flat, diff, self.mesh, self.num_stages, self.num_micro_batches,
-                self.carry_specs, body_specs, post_specs)
+                self.carry_specs, body_specs, post_specs, back_specs)
             out = jax.tree_util.tree_unflatten(lt.out_tree, [loss])
             grads = jax.tree_util.tree_unflatten(diff_tree, grads)
             return ((out[0], out[1]) if has_aux else out,
@@ -157,7 +165,8 @@ class PipelinedGrad:
 
         def rewrite(eqn, ins):
             return pipelined_scan(eqn, ins, micro_eqn, self.mesh, self.num_stages,
-                                  self.num_micro_batches, self.carry_specs, body_specs)
+                                  self.num_micro_batches, self.carry_specs, body_specs,
+                                  back_specs)
 
         def loss(diff_args):
             leaves = list(flat)

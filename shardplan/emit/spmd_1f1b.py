@@ -31,6 +31,7 @@ from shardplan.inter.layer_scan import (
     LossTrace,
     constrained,
     held,
+    held_parameters,
     stage_layers,
     stage_psum,
 )
@@ -125,7 +126,8 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
                             num_stages: int, num_micro_batches: int,
                             carry_specs: Sequence | None = None,
                             operand_specs: Mapping | None = None,
-                            post_specs: Mapping | None = None):
+                            post_specs: Mapping | None = None,
+                            backward_specs: Mapping | None = None):
     """(loss, gradient leaves of the flat positions `diff`) of the traced loss, by a 1F1B
     SPMD pipeline over the mesh's stage axis; `carry_specs`: the PartitionSpecs the layers
     hold the carry in, `operand_specs` the layouts a layer reads its operands in
@@ -140,7 +142,7 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
     if len(cut.outvars) != 1:
         raise ValueError("SPMD pipeline, 1F1B: the loss function returns auxiliary values "
                          "(has_aux with leaves); use schedule='gpipe'")
-    layers = stage_layers(cut.scan, L // S, carry_specs, operand_specs)
+    layers = stage_layers(cut.scan, L // S, carry_specs, operand_specs, backward_specs)
     diff = list(diff)
     dpos = {i: k for k, i in enumerate(diff)}
 
@@ -183,6 +185,8 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
         carry_m = hold(carry_m, 1)
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
+        if backward_specs:
+            local = held_parameters(cut.scan, local, operand_specs)
         first, last = s == 0, s == S - 1
 
         def pick(stack, m):

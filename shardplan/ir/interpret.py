@@ -183,27 +183,59 @@ def leaf_eqns(jaxpr) -> list:
     return out
 
 
-def eval_leaves(closed, args: Sequence, operand: Callable) -> list:
+def leaf_readers(jaxpr) -> list[tuple[int, int, int]]:
+    """(leaf equation i, operand j, k): leaf equation i (leaf_eqns' numbering) reads the open
+    jaxpr's input k as its operand j, through the calls it enters."""
+    out: list[tuple[int, int, int]] = []
+
+    def walk(eqns, where: dict, at: int) -> int:
+        for eqn in eqns:
+            inner = _entered(eqn)
+            if inner is None:
+                out.extend((at, j, where[v]) for j, v in enumerate(eqn.invars)
+                           if not isinstance(v, _compat.Literal) and v in where)
+                at += 1
+            else:
+                sub = inner[0]
+                inner_where = {w: where[v] for w, v in zip(sub.invars, eqn.invars)
+                               if not isinstance(v, _compat.Literal) and v in where}
+                at = walk(sub.eqns, inner_where, at)
+        return at
+
+    walk(jaxpr.eqns, {v: k for k, v in enumerate(jaxpr.invars)}, 0)
+    return out
+
+
+def eval_leaves(closed, args: Sequence, operand: Callable,
+                result: Callable | None = None, skip: Callable | None = None) -> list:
     """The outputs of a (Closed)Jaxpr on `args`, the calls lift inlines entered (a remat
     entered under jax.checkpoint with its policy: it still recomputes), and leaf equation i
-    (leaf_eqns' numbering) reading `operand(i, j, x)` as its operand j: layouts applied to
-    the values inside a layer."""
+    (leaf_eqns' numbering) reading `operand(i, j, x)` as its operand j (and giving
+    `result(i, k, y)` as its result k; a leaf equation `skip(eqn)` says is an identity, not
+    bound: its operands are its results): layouts applied to the values inside a layer."""
     jaxpr, consts = _compat.open_jaxpr(closed)
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    run_leaves(jaxpr.eqns, env, operand)
+    run_leaves(jaxpr.eqns, env, operand, result=result, skip=skip)
     return [read_var(env, v) for v in jaxpr.outvars]
 
 
-def run_leaves(eqns: Sequence, env: dict, operand: Callable, start: int = 0) -> dict:
+def run_leaves(eqns: Sequence, env: dict, operand: Callable, start: int = 0,
+               result: Callable | None = None, skip: Callable | None = None) -> dict:
     """Bind `eqns` again in order as eval_leaves does (calls entered, leaf equation i counted
-    from `start` reading `operand(i, j, x)`), reading and writing `env`."""
+    from `start` reading `operand(i, j, x)`, giving `result(i, k, y)`, those `skip` says
+    identities), reading and writing `env`."""
     at = start
     for eqn in eqns:
         ins = [read_var(env, v) for v in eqn.invars]
         inner = _entered(eqn)
-        if inner is None:
+        if inner is None and skip is not None and skip(eqn):
+            outs = ins
+            at += 1
+        elif inner is None:
             outs = _compat.bind_eqn(eqn, [operand(at, j, x) for j, x in enumerate(ins)])
+            if result is not None:
+                outs = [result(at, k, y) for k, y in enumerate(outs)]
             at += 1
         else:
             sub, sub_consts = inner
@@ -211,7 +243,7 @@ def run_leaves(eqns: Sequence, env: dict, operand: Callable, start: int = 0) -> 
             def call(*a, sub=sub, sub_consts=sub_consts, at=at):
                 inner_env = dict(zip(sub.constvars, sub_consts))
                 inner_env.update(zip(sub.invars, a))
-                run_leaves(sub.eqns, inner_env, operand, at)
+                run_leaves(sub.eqns, inner_env, operand, at, result, skip)
                 return [read_var(inner_env, v) for v in sub.outvars]
 
             if eqn.primitive.name in _REMAT:
