@@ -53,4 +53,4 @@ class IntraOptions:
     # Off by default for now: on, gpt2-124m's searched plan beats every expert plan compiled
     # (0.957x on 8, 0.964x on 2x4), but the vocab-parallel embedding's loses to Megatron
     # (1.19x): the ILP still prices a partial sum's readers as if XLA kept the partial sum.
-    combine_gradients: bool = False
+    combine_gradients: bool = True
