@@ -52,10 +52,13 @@ class IntraOptions:
     # gradient_values; the loss's reductions, which hang off the forward pass's, keep
     # theirs). Off for the SPMD pipeline's stage programs, whose loss and head run inside the
     # loop of ticks, apart from the other gradients' reductions (inter/spmd_cost.py prices
-    # those collectives). On (measured, compiled and priced, searched / best expert, the zoo
-    # at test size under the cpu profile, on 8 and 2x4): bert 0.971 / 0.923 (off: 1.043 /
-    # 0.988), gpt 1.035 / 0.766 (1.048 / 1.082), llama 1.004 / 0.890 (1.178 / 1.024), moe
-    # 0.822 / 0.815 (0.993 / 1.025), vit 0.976 / 0.953 (0.976 / 0.986); a tied 64k-vocab
-    # embedding takes Megatron's vocab split (it took a plan 1.19x Megatron's while every
-    # reduction of a gradient was priced without latency, the one it paid alone included).
+    # those collectives). Measured on (searched / best expert, compiled and priced, 8 and
+    # 2x4): gpt2-124m under a100-80gb 0.957 / 0.964 (off: 1.062 / 1.003); the zoo at test
+    # size under cpu: bert 0.971 / 0.923 (off 1.043 / 0.988), gpt 1.035 / 0.906 (1.048 /
+    # 1.082), llama 1.004 / 0.890 (1.178 / 1.024), moe 0.822 / 0.815 (0.993 / 1.025), vit
+    # 0.976 / 0.953 (0.976 / 0.986); a tied 64k-vocab embedding takes Megatron's vocab split
+    # (priced with every gradient's reduction free of latency, it took a plan 1.19x
+    # Megatron's: its one gradient reduction ran alone). Costs planning time: the hubs'
+    # edges keep presolve from eliminating their members (benchmarks/plan_speed.py, CPU s:
+    # gpt2-1.5b 8x8 unrolled 12.3 against 9.9 off, llama-7b 8x8 10.6 against 8.6).
     combine_gradients: bool = True
