@@ -11,7 +11,9 @@ its own in the compiled program, priced by the ILP 0.4 us under Megatron's plan,
 none; compiled, 41.6 us over it).
 
 Each group is one more member of the ILP (a "hub") with two choices, off (free) and on (the
-latency, at the group's trip count); an edge from every member whose choice reduces a gradient
+latency, once per step: a scanned model's gradients reduced inside its loop are priced as the
+same model unrolled reduces them, as Problem.reshard_time prices its stacked values, else the
+two would plan differently); an edge from every member whose choice reduces a gradient
 over the group's axes forbids that choice with the hub off. A member reduces a gradient where
 its strategy's own collectives do (a node making a gradient), or where it leaves a gradient a
 partial sum (whoever reads it reduces it: no gradient is read partial by the optimizer's
@@ -31,7 +33,7 @@ if TYPE_CHECKING:  # annotations only: problem imports this module
 
 
 def triggers(problem: Problem) -> dict[tuple, list[tuple[int, np.ndarray]]]:
-    """Group key (loop, trips, axes) -> (member, mask over its root's choices of those that
+    """Mesh axes -> (member, mask over its root's choices of those that
     reduce a gradient over the axes), for the members that can."""
     if not problem.options.combine_gradients:
         return {}
@@ -44,24 +46,18 @@ def triggers(problem: Problem) -> dict[tuple, list[tuple[int, np.ndarray]]]:
             mask = np.array([key in ks for ks in keys_of_choice])
             out.setdefault(key, []).append((m, mask))
 
-    def where(m: int, trips: float) -> tuple:
-        node = g.nodes[m - n_in] if n_in <= m < problem.num_real else None
-        loop = node.loop if node is not None and trips > 1 else None
-        return loop, trips
 
     for node in g.nodes:
         m = n_in + node.id
         choices = len(problem.strategies[groups.root[m]])
         if problem.combined(node.outputs):  # the node's own reductions
-            at = where(m, node.trips)
-            add(m, [{(*at, tuple(sorted(c.axes))) for c in
+            add(m, [{tuple(sorted(c.axes)) for c in
                      problem.strategies[m][groups.pick[m][k]].comms
                      if c.kind in kinds and c.nbytes > 0 and c.axes} for k in range(choices)])
         for out_idx, v in enumerate(node.outputs):  # gradients it leaves partial sums
             if not problem.combined((v,)):
                 continue
-            at = where(m, problem.trips_at(m, "leave"))
-            add(m, [{(*at, tuple(sorted(s.partial)))} if s.partial else set()
+            add(m, [{tuple(sorted(s.partial))} if s.partial else set()
                     for s in (problem.out_spec(m, out_idx, k) for k in range(choices))])
     return out
 
@@ -72,12 +68,11 @@ def terms(problem: Problem, first: int) -> tuple[list[np.ndarray], dict[tuple[in
     costs: list[np.ndarray] = []
     edges: dict[tuple[int, int], np.ndarray] = {}
     for key, members in sorted(triggers(problem).items(), key=lambda kv: repr(kv[0])):
-        _, trips, axes = key
-        latency = problem.cost.combined_latency([Collective("all-reduce", axes, 1)])
+        latency = problem.cost.combined_latency([Collective("all-reduce", key, 1)])
         if latency <= 0:
             continue
         hub = first + len(costs)
-        costs.append(np.array([0.0, trips * latency]))
+        costs.append(np.array([0.0, latency]))
         for m, mask in members:
             i = problem.index[problem.groups.root[m]]
             forbid = np.zeros((len(mask), 2))
