@@ -59,11 +59,12 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
                device_order=None, start: float | None = None, deadline: Deadline | None = None,
                donated: frozenset[int] | None = None,
                fixed_inputs: dict[int, ShardSpec] | None = None,
-               combine_gradients: bool = False) -> tuple[Plan, IntraPlan]:
+               combine_gradients: bool | None = None) -> tuple[Plan, IntraPlan]:
     """The intra-op plan of the lifted step `graph` on `mesh_shape`, the ILP held to
     `ilp_budget` (default the options' memory budget; the plan reports the options' budget).
     `fixed_inputs` (flat input index -> spec) are pinned besides the hints' pins, which win;
-    `combine_gradients`: IntraOptions' (False for an SPMD pipeline's stage programs)."""
+    `combine_gradients`: IntraOptions' (None: its default; False for an SPMD pipeline's stage
+    programs)."""
     start = time.perf_counter() if start is None else start
     cost = AlphaBetaCost(mesh_shape, hw, device_order)
     budget = options.memory_budget if ilp_budget is None else ilp_budget
@@ -141,7 +142,7 @@ def plan_step(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
               options: SearchOptions = DEFAULTS, *, device_mesh=None,
               device_order: Sequence[int] | None = None, deadline: Deadline | None = None,
               donate_argnums: Sequence[int] | None = None,
-              combine_gradients: bool = False) -> tuple[Plan, Graph, IntraPlan]:
+              combine_gradients: bool | None = None) -> tuple[Plan, Graph, IntraPlan]:
     """Plan one program of the traced step on `mesh_shape` priced as `hw`: (the Plan, the
     lifted graph it is for, the intra-op plan). `device_mesh` (a jax Mesh) is kept in the plan
     for its shardings; `device_order` (device ids in mesh order) places the links; `deadline`

@@ -12,7 +12,7 @@ from shardplan import measure
 from shardplan.analysis import hlo
 from shardplan.cost.hardware import get_profile
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
-from shardplan.intra import combiner
+from shardplan.intra import combiner, ilp
 from shardplan.intra.problem import IntraOptions, Problem
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
@@ -34,7 +34,7 @@ def _plan_and_compile(name, mesh_name):
     plan, graph, intra = search.plan_step(
         traced, MeshShape.of(mesh), get_profile("cpu"), options, device_mesh=mesh,
         device_order=[d.id for d in mesh.devices.flat], donate_argnums=m.state_argnums,
-        combine_gradients=True)  # off by default (shardplan/intra/settings.py); its plans here
+        combine_gradients=True)  # the default; named: it is this test's subject
     lowered = measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
     return intra, hlo.analyze(measure.compile_for_analysis(lowered))
 
@@ -81,7 +81,7 @@ def test_latency_saving_is_all_but_one_latency_per_group():
     assert combiner.latency_saving(reds, cost) == pytest.approx(4 * one)
 
 
-def _mlp_step():
+def _mlp_step(batch=256):
     def loss(params, x):
         h = jnp.tanh(x @ params["w1"])
         return jnp.mean((h @ params["w2"]) ** 2)
@@ -92,7 +92,7 @@ def _mlp_step():
 
     params = {"w1": jax.ShapeDtypeStruct((64, 128), jnp.float32),
               "w2": jax.ShapeDtypeStruct((128, 32), jnp.float32)}
-    x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((batch, 64), jnp.float32)
     traced = trace(step, (params, x), (0,), (1,))
     return traced, lift(traced.closed_jaxpr, traced.arg_info)
 
@@ -130,3 +130,36 @@ def test_ilp_prices_a_gradient_reduction_without_its_latency():
     h = g.values[next(n for n in g.nodes if n.primitive == "dot_general").outputs[0]]
     assert problem.edge_time(h, ShardSpec.replicated(2).with_partial(("x",)), whole) == \
         problem.reshard_time(h, ShardSpec.replicated(2).with_partial(("x",)), whole)
+
+
+def test_gradient_values_leave_out_the_loss():
+    _, g = _mlp_step()
+    grads = combiner.gradient_values(g, CONTRACTIONS)
+    assert _gradients(g) <= grads
+    assert g.outputs[-1] not in grads  # the loss: its reductions keep their latency
+
+
+def _solve_pinned(g, specs):
+    mesh = MeshShape(("x",), (8,))
+    cost = AlphaBetaCost(mesh, get_profile("a100-80gb"))
+    problem = Problem(g, mesh, cost, IntraOptions(combine_gradients=True,
+                                                  fixed_inputs=dict(enumerate(specs))))
+    inp = problem.solver_input()
+    hubs = inp.node_costs[len(problem.reps):]
+    return cost, inp, hubs, ilp.solve(inp)
+
+
+def test_ilp_pays_the_combined_reduction_latency_once_where_a_gradient_is_reduced():
+    _, g = _mlp_step(batch=65536)  # a batch too large to gather
+    whole = ShardSpec.replicated(2)
+    # data parallel (the weights whole, the batch split): both gradients are partial sums
+    cost, inp, hubs, dp = _solve_pinned(g, (whole, whole, ShardSpec.split(2, 0, ("x",))))
+    latency = cost.combined_latency([Collective("all-reduce", ("x",), 1)])
+    assert len(hubs) == 1 and tuple(hubs[0]) == pytest.approx((0.0, latency))
+    assert dp.choice[-1] == 1  # on: one latency for both gradients
+    off = list(dp.choice)
+    off[-1] = 0
+    assert ilp.evaluate(inp, off)[0] == float("inf")  # a gradient reduced: the hub cannot be off
+    # a small batch, everything whole: it runs replicated, no gradient is reduced, no latency
+    *_, hubs, alone = _solve_pinned(_mlp_step()[1], (whole, whole, whole))
+    assert len(hubs) == 1 and alone.choice[-1] == 0

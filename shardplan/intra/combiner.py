@@ -164,3 +164,34 @@ def terminal_values(g: Graph, heads: frozenset[str]) -> frozenset[int]:
                 changed = True
     made = {v for node in g.nodes for v in node.outputs}
     return frozenset(made - feeds)
+
+
+def gradient_values(g: Graph, heads: frozenset[str]) -> frozenset[int]:
+    """The terminal values (terminal_values) from which an output tied to an input (the
+    updated state) is reachable: the gradients and what the update computes of them, not the
+    loss and the values only the loss reads (the loss's reductions hang off the forward
+    pass's: on a split vocabulary XLA runs them apart from the gradients' combined all-reduce,
+    each with its own latency)."""
+    terminal = terminal_values(g, heads)
+    tied = {v for v, tie in zip(g.outputs, g.output_ties) if tie is not None}
+    reaches = set(tied)
+    for node in reversed(g.nodes):
+        if any(v in reaches for v in node.outputs):
+            reaches.update(node.inputs)
+    carried = {}
+    for src, carry, _ in g.carry_edges():
+        carried.setdefault(src, []).append(carry)
+    changed = True
+    while changed:  # a carry runs backwards in program order: to a fixed point
+        changed = False
+        for src, carries in carried.items():
+            if src not in reaches and any(c in reaches for c in carries):
+                reaches.add(src)
+                changed = True
+        for node in reversed(g.nodes):
+            if any(v in reaches for v in node.outputs):
+                for v in node.inputs:
+                    if v not in reaches:
+                        reaches.add(v)
+                        changed = True
+    return frozenset(terminal & reaches)

@@ -9,7 +9,7 @@ import collections
 import numpy as np
 
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
-from shardplan.intra import combiner, ilp
+from shardplan.intra import combiner, hubs, ilp
 from shardplan.intra.settings import IntraOptions
 from shardplan.intra.simplify import Groups, fanout_members, merge_followers, tie_layers
 from shardplan.ir.graph import Graph, Role, Value
@@ -164,14 +164,15 @@ class Problem:
 
     def combined(self, values) -> bool:
         """Whether the reductions making `values` join XLA's combined all-reduce of the step's
-        gradients (intra/combiner.py terminal_values): the ILP prices them without their own
-        latency, as one collective pays one whatever the number of gradients (the estimate
-        prices the combined collectives as the combiner forms them)."""
+        gradients (intra/combiner.py gradient_values): the ILP prices them without their own
+        latency, and the combined collective's one latency once, in the plans that reduce a
+        gradient (intra/hubs.py); the estimate prices the combined collectives as the
+        combiner forms them."""
         if not self.options.combine_gradients:
             return False
-        if "_terminal" not in self.__dict__:
-            self.__dict__["_terminal"] = combiner.terminal_values(self.graph, CONTRACTIONS)
-        return bool(values) and all(v in self._terminal for v in values)
+        if "_gradients" not in self.__dict__:
+            self.__dict__["_gradients"] = combiner.gradient_values(self.graph, CONTRACTIONS)
+        return bool(values) and all(v in self._gradients for v in values)
 
     def edge_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
         """What the ILP charges for resharding `value`: reshard_time, less the latency of the
@@ -233,11 +234,13 @@ class Problem:
         the rarer of the two runs, where a loop's entry reads and its exit writes a value of
         the enclosing level (a stacked value passed from one loop to the next is resharded
         once, between the loops, as the emitted program does)."""
-        return min(self._trips_at(p, "leave"), self._trips_at(n, "enter"))
+        return min(self.trips_at(p, "leave"), self.trips_at(n, "enter"))
 
-    def _trips_at(self, m: int, side: str) -> float:
+    def trips_at(self, m: int, side: str) -> float:
+        """Times member m's values cross into (`side` "enter") or out of ("leave") its loop
+        per step: a loop's entry and exit run once per run of the loop."""
         if m >= self.num_real:  # a fan-out lives where its value does
-            return self._trips_at(self.producer[self.fanout_of[m - self.num_real]][0], "leave")
+            return self.trips_at(self.producer[self.fanout_of[m - self.num_real]][0], "leave")
         trips = self.trips(m)
         if self.num_inputs <= m < self.num_real:
             node = self.graph.nodes[m - self.num_inputs]
@@ -410,15 +413,17 @@ class Problem:
                 costs[ia] += np.diagonal(m)
             else:
                 merged[(ia, ib)] = merged.get((ia, ib), 0) + m
-        node_costs = tuple(costs)
-        edge_list = tuple((a, b, m) for (a, b), m in sorted(merged.items()))
+        hub_costs, hub_edges = hubs.terms(self, len(costs))
+        node_costs = tuple(costs + hub_costs)
+        edge_list = tuple((a, b, m) for (a, b), m in sorted({**merged, **hub_edges}.items()))
         budget = self.options.memory_budget
         base = rows = copies = row_copies = ()
         if budget is not None:
             base, rows, copies, row_copies = self.memory().solver_terms(self.index, len(self.reps))
         return ilp.SolverInput(node_costs, edge_list, rows, budget, self.options.time_limit_s,
                                self.options.seed, self.options.workers,
-                               hint=tuple(0 for _ in self.reps), memory_base=base,
+                               hint=(0,) * len(self.reps) + (1,) * len(hub_costs),
+                               memory_base=base,
                                copies=copies, row_copies=row_copies,
                                deadline=self.options.deadline)
 

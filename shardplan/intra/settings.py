@@ -46,11 +46,22 @@ class IntraOptions:
     fixed_inputs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
     # Also solve with each expert plan's input specs pinned and keep the cheapest.
     seed_baselines: bool = True
-    # The reductions of the step's gradients and loss priced as XLA's combiner runs them: one
-    # combined all-reduce, so each without its own latency (intra/combiner.py). Off for the
-    # SPMD pipeline's stage programs, whose loss and head run inside the loop of ticks, apart
-    # from the other gradients' reductions (inter/spmd_cost.py prices those collectives).
-    # Off by default for now: on, gpt2-124m's searched plan beats every expert plan compiled
-    # (0.957x on 8, 0.964x on 2x4), but the vocab-parallel embedding's loses to Megatron
-    # (1.19x): the ILP still prices a partial sum's readers as if XLA kept the partial sum.
-    combine_gradients: bool = False
+    # The reductions of the step's gradients priced as XLA's combiner runs them: each without
+    # its own latency, and the latency of the combined all-reduce once per mesh axes, in the
+    # plans that reduce a gradient over them (intra/hubs.py, intra/combiner.py
+    # gradient_values; the loss's reductions, which hang off the forward pass's, keep
+    # theirs). Off for the SPMD pipeline's stage programs, whose loss and head run inside the
+    # loop of ticks, apart from the other gradients' reductions (inter/spmd_cost.py prices
+    # those collectives). Measured on (searched / best expert, compiled and priced, 8 and
+    # 2x4): gpt2-124m under a100-80gb 0.957 / 0.964 (off: 1.062 / 1.003); the zoo at test
+    # size under cpu: bert 0.971 / 0.923 (off 1.043 / 0.988), gpt 1.035 / 0.906 (1.048 /
+    # 1.082), llama 1.004 / 0.890 (1.178 / 1.024), moe 0.822 / 0.815 (0.993 / 1.025), vit
+    # 0.976 / 0.953 (0.976 / 0.986); a tied 64k-vocab embedding takes Megatron's vocab split
+    # (priced with every gradient's reduction free of latency, it took a plan 1.19x
+    # Megatron's: its one gradient reduction ran alone). Costs planning time: the hubs'
+    # edges keep presolve from eliminating their members (benchmarks/plan_speed.py, quiet
+    # machine, s: gpt2-1.5b 8x8 unrolled 12.0 against 9.9 off, scanned 2.1 / 1.8, llama-7b
+    # 8x8 10.3 / 8.8, gpt2-124m 2x4 6.3 / 5.5). Off, the suite's plans are main's before
+    # this option; on, tests/test_memory_fit.py's gpt case fails: the memory model puts the
+    # new gpt 2x4 plan at 1.43 MB, compiled 1.13 MB (over-estimated, past its 10%).
+    combine_gradients: bool = True

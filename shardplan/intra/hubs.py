@@ -1,0 +1,82 @@
+"""The latency of the gradients' combined all-reduces, in the ILP: one per group, paid by the
+plans that reduce any gradient in it.
+
+With IntraOptions.combine_gradients the ILP prices each reduction of a gradient without its own
+latency (intra/problem.py Problem.combined): XLA runs them as one combined all-reduce per mesh
+axes (intra/combiner.py), which pays one latency whatever the number of gradients. That one
+latency is not free: a plan that reduces no gradient over those axes runs no such collective.
+Left out, a plan that reduces one gradient paid nothing for it (measured: a tied 64k-vocab
+embedding on 8 devices, the searched plan reduced the embedding's gradient, an all-reduce of
+its own in the compiled program, priced by the ILP 0.4 us under Megatron's plan, which reduces
+none; compiled, 41.6 us over it).
+
+Each group is one more member of the ILP (a "hub") with two choices, off (free) and on (the
+latency, once per step: a scanned model's gradients reduced inside its loop are priced as the
+same model unrolled reduces them, as Problem.reshard_time prices its stacked values, else the
+two would plan differently); an edge from every member whose choice reduces a gradient
+over the group's axes forbids that choice with the hub off. A member reduces a gradient where
+its strategy's own collectives do (a node making a gradient), or where it leaves a gradient a
+partial sum (whoever reads it reduces it: no gradient is read partial by the optimizer's
+update or left partial in an output).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shardplan.strategies.base import Collective
+
+if TYPE_CHECKING:  # annotations only: problem imports this module
+    from shardplan.intra.problem import Problem
+
+
+def triggers(problem: Problem) -> dict[tuple, list[tuple[int, np.ndarray]]]:
+    """Mesh axes -> (member, mask over its root's choices of those that
+    reduce a gradient over the axes), for the members that can."""
+    if not problem.options.combine_gradients:
+        return {}
+    g, n_in, groups = problem.graph, problem.num_inputs, problem.groups
+    kinds = problem.cost.combined_kinds
+    out: dict[tuple, list[tuple[int, np.ndarray]]] = {}
+
+    def add(m: int, keys_of_choice: list[set]) -> None:
+        for key in sorted(set().union(*keys_of_choice), key=repr):
+            mask = np.array([key in ks for ks in keys_of_choice])
+            out.setdefault(key, []).append((m, mask))
+
+
+    for node in g.nodes:
+        m = n_in + node.id
+        choices = len(problem.strategies[groups.root[m]])
+        if problem.combined(node.outputs):  # the node's own reductions
+            add(m, [{tuple(sorted(c.axes)) for c in
+                     problem.strategies[m][groups.pick[m][k]].comms
+                     if c.kind in kinds and c.nbytes > 0 and c.axes} for k in range(choices)])
+        for out_idx, v in enumerate(node.outputs):  # gradients it leaves partial sums
+            if not problem.combined((v,)):
+                continue
+            add(m, [{tuple(sorted(s.partial))} if s.partial else set()
+                    for s in (problem.out_spec(m, out_idx, k) for k in range(choices))])
+    return out
+
+
+def terms(problem: Problem, first: int) -> tuple[list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
+    """The hubs' costs ([off, on] each, numbered from `first` among the ILP's members) and
+    their edges ((representative index, hub index) -> [the representative's choice, off/on])."""
+    costs: list[np.ndarray] = []
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    for key, members in sorted(triggers(problem).items(), key=lambda kv: repr(kv[0])):
+        latency = problem.cost.combined_latency([Collective("all-reduce", key, 1)])
+        if latency <= 0:
+            continue
+        hub = first + len(costs)
+        costs.append(np.array([0.0, latency]))
+        for m, mask in members:
+            i = problem.index[problem.groups.root[m]]
+            forbid = np.zeros((len(mask), 2))
+            forbid[mask, 0] = np.inf
+            old = edges.get((i, hub))
+            edges[(i, hub)] = forbid if old is None else np.maximum(old, forbid)
+    return costs, edges
