@@ -122,6 +122,34 @@ def outer(graph, node, v) -> bool:
                for u in node.inputs)
 
 
+def _constants(graph) -> set[int]:
+    """The values computed from literals alone (no input of the step feeds them)."""
+    constant: set[int] = set()
+    for node in graph.nodes:
+        if all(graph.values[u].is_literal or u in constant for u in node.inputs):
+            constant.update(node.outputs)
+    return constant
+
+
+def _folded(graph, node, v, rs, constant) -> bool:
+    """Values XLA's simplification passes leave unwritten, measured on the live ranges of the
+    zoo's steps (--xla_dump_to):
+    - a broadcast of a constant (the zeros a gather's gradient is scattered into): fused into
+      its readers, or written by the scatter that reads it, never held from the step's start;
+    - a scatter-add into such zeros that an add alone reads (a gather's gradient summed with
+      another, the loss's softmax gradient or a tied embedding's): XLA scatters into the
+      add's other operand in place (its algebraic simplifier), so no buffer of its own;
+    - a transpose that only dots read: folded into the dots' dimension numbers."""
+    prim = node.primitive
+    if prim == "broadcast_in_dim" and v in constant:
+        return True
+    if prim == "scatter-add" and node.inputs and node.inputs[0] in constant:
+        return all(graph.nodes[r].primitive in ("add", "add_any") for r in rs)
+    if prim == "transpose":
+        return all(graph.nodes[r].primitive == "dot_general" for r in rs)
+    return False
+
+
 def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
     """(values XLA never writes, the position of each value's last read). A value is never
     written when its producer is fused into its readers: an op read once by another fused op,
@@ -132,6 +160,7 @@ def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
     fused = FUSED - UNFUSED
     takes_in = fused - REDUCTIONS
+    constant = _constants(graph)
     virtual: set[int] = set()
     last: dict[int, int] = {}
     for node in reversed(graph.nodes):
@@ -142,7 +171,12 @@ def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
             last[v] = max(max(pos[r] for r in rs),
                           max((last[o] for r in rs for o in graph.nodes[r].outputs
                                if o in virtual), default=0))
-            if v in outputs or node.primitive not in fused:
+            if v in outputs:
+                continue
+            if _folded(graph, node, v, rs, constant):
+                virtual.add(v)
+                continue
+            if node.primitive not in fused:
                 continue
             if all(graph.nodes[r].primitive in takes_in for r in rs) and (
                     len(rs) == 1 or (node.primitive in CHEAP and _unary(graph, node, producer)

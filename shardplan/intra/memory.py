@@ -179,6 +179,34 @@ class MemoryModel:
                 if is_tensor(value) and value.ndim > 0 and v in p.producer:
                     readers.setdefault(v, []).append((p.num_inputs + node.id, i))
         bytes_of: dict = {}  # (shape, spec) -> bytes: repeated layers read the same
+
+        def nbytes_for(value, specs):
+            shape = (value.shape, value.dtype, value.itemsize)
+            for d in specs:
+                if (shape, d) not in bytes_of:
+                    bytes_of[(shape, d)] = p.cost.value_bytes(value, d)
+            return self.scale * np.ceil([bytes_of[(shape, d)] for d in specs])
+
+        # A value with a fan-out member is resharded once into the fan-out's layout, which all
+        # its readers read (the copies below start from it): that copy is held from the first
+        # reader to the last (on llama at test size on 8 devices, a hidden-split activation
+        # all-gathered for the q/k/v dots was kept by XLA until their backward dots read it).
+        for f, v in enumerate(p.fanout_of):
+            if v not in readers:
+                continue
+            src, out_idx = p.producer[v]
+            fm = p.num_real + f
+            rs, rf = root[src], root[fm]
+            srcs = [p.out_spec(src, out_idx, k) for k in range(len(p.strategies[rs]))]
+            dsts = [p.out_spec(fm, 0, k) for k in range(len(p.strategies[rf]))]
+            if len(set(dsts).union(srcs)) == 1:
+                continue
+            at = [self.pos[m - p.num_inputs] for m, _ in readers[v]]
+            ka, kb = _keys(srcs, dsts)
+            self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rf, kb,
+                                    nbytes_for(g.values[v], dsts), min(at),
+                                    max(self.last.get(v, max(at)), max(at)),
+                                    f"fan-out of v{v}"))
         first = self.first  # gathered inputs start there (see __init__)
         for v in sorted(readers):
             src, out_idx = p.source[v]
@@ -202,12 +230,7 @@ class MemoryModel:
                     continue
                 seen.add(key)
                 ka, kb = _keys(srcs, dsts)
-                value = g.values[v]
-                shape = (value.shape, value.dtype, value.itemsize)
-                for d in dsts:
-                    if (shape, d) not in bytes_of:
-                        bytes_of[(shape, d)] = p.cost.value_bytes(value, d)
-                nbytes = self.scale * np.ceil([bytes_of[(shape, d)] for d in dsts])
+                nbytes = nbytes_for(g.values[v], dsts)
                 at = self.pos[m - p.num_inputs]
                 last = max([at, *(t for t in heavy if t > at)])
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
