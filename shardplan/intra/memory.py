@@ -189,7 +189,7 @@ class MemoryModel:
 
         # A value with a fan-out member is resharded once into the fan-out's layout, which all
         # its readers read (the copies below start from it): that copy is held from the first
-        # reader to the last (on llama at test size on 8 devices, a hidden-split activation
+        # reader on (on llama at test size on 8 devices, a hidden-split activation
         # all-gathered for the q/k/v dots was kept by XLA until their backward dots read it).
         for f, v in enumerate(p.fanout_of):
             if v not in readers:
@@ -197,15 +197,20 @@ class MemoryModel:
             src, out_idx = p.producer[v]
             fm = p.num_real + f
             rs, rf = root[src], root[fm]
-            srcs = [p.out_spec(src, out_idx, k) for k in range(len(p.strategies[rs]))]
-            dsts = [p.out_spec(fm, 0, k) for k in range(len(p.strategies[rf]))]
+            # a partial sum reduced into the fan-out's layout is all-reduced in place (its
+            # operand dies there): no second buffer
+            srcs = [p.out_spec(src, out_idx, k).without_partial()
+                    for k in range(len(p.strategies[rs]))]
+            dsts = [p.out_spec(fm, 0, k).without_partial() for k in range(len(p.strategies[rf]))]
             if len(set(dsts).union(srcs)) == 1:
                 continue
+            # held to its last reader itself, not to the last read of what is fused into that
+            # reader (llama's logits gathered for its loss died at the softmax, before the
+            # one-hot's last elementwise reader)
             at = [self.pos[m - p.num_inputs] for m, _ in readers[v]]
             ka, kb = _keys(srcs, dsts)
             self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rf, kb,
-                                    nbytes_for(g.values[v], dsts), min(at),
-                                    max(self.last.get(v, max(at)), max(at)),
+                                    nbytes_for(g.values[v], dsts), min(at), max(at),
                                     f"fan-out of v{v}"))
         first = self.first  # gathered inputs start there (see __init__)
         # A later gathering reader of a weight (the backward pass) that wants another layout
