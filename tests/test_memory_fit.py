@@ -5,13 +5,14 @@ devices. A bf16 step compiled on CPU is counted as the target would hold it (XLA
 bf16 through f32 buffers)."""
 
 import dataclasses
+import time
 import warnings
 
 import jax
 import pytest
 
 import shardplan
-from shardplan import fit, measure
+from shardplan import fit, measure, replan
 from shardplan.analysis import hlo, target
 from shardplan.cost.hardware import get_profile
 from shardplan.intra import liveness
@@ -172,3 +173,33 @@ def test_the_memory_models_own_estimate_is_within_tolerance_of_the_compiled_peak
     lowered = measure.lower_plan(graph, traced, plan, mesh8, m.state_argnums)
     peak = hlo.analyze(measure.compile_for_analysis(lowered)).peak_bytes
     assert abs(peak / plan.estimate.peak_bytes - 1) <= TOLERANCE, (peak, plan.estimate.peak_bytes)
+
+
+def test_re_plans_and_their_compiles_end_within_the_time_limit(mesh2x4, monkeypatch):
+    """Every program compiling over the budget (and each compile 2.5 s): the check re-plans
+    only while a re-plan and its compile fit in what remains of the time limit, so the whole
+    check ends within 1.2x of it (re-planning whatever remained, then compiling, ran 30 s
+    limits to 46-73 s on 2x4)."""
+    real, calls = measure.measure, []
+
+    def slow(*args, **kwargs):
+        time.sleep(2.5)
+        got = real(*args, **kwargs)
+        calls.append(got.name)
+        return dataclasses.replace(got, priced=dataclasses.replace(
+            got.priced, peak_bytes=10 * got.priced.peak_bytes))
+
+    monkeypatch.setattr(measure, "measure", slow)
+    m = get_model("mlp", "tiny", abstract=True)
+    traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
+    options = DEFAULTS.replace(memory_budget=300 * 2**10, time_limit=7.0,
+                               state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = fit.plan_checked(traced, MeshShape.of(mesh2x4), get_profile("cpu"), options,
+                                device_mesh=mesh2x4, donate_argnums=m.state_argnums)
+    took = time.perf_counter() - t
+    assert took <= 1.2 * options.time_limit, (took, calls)
+    assert calls[0] == "searched" and not plan.fits()
+    assert len(calls) < 1 + replan.RECALIBRATIONS, calls  # a re-plan was left out
