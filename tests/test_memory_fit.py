@@ -87,7 +87,8 @@ def _over_budget_at_first(monkeypatch, times, factor):
 def test_a_plan_compiled_over_the_budget_is_planned_again_or_not_said_to_fit(
         times, factor, mesh2x4, monkeypatch):
     """Under a budget on devices the plan is compiled: over the budget, the ILP plans again
-    under a scaled budget (shardplan.fit); when no re-plan compiles within it either, the plan
+    under a scaled budget (shardplan.fit); when no re-plan compiles within it either (or the
+    time limit leaves none: the least memory's proof can take what remains), the plan
     returned says it does not fit (its estimate is the compiled peak) and a warning says so."""
     m = get_model("mlp", "tiny", abstract=True)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
@@ -99,10 +100,11 @@ def test_a_plan_compiled_over_the_budget_is_planned_again_or_not_said_to_fit(
         plan = fit.plan_checked(traced, MeshShape.of(mesh2x4), get_profile("cpu"), options,
                                 device_mesh=mesh2x4, donate_argnums=m.state_argnums)
     note = next(n for n in plan.notes if n.startswith("memory checked once compiled"))
-    assert calls[0] == "searched" and calls[1].startswith("searched-1"), calls
+    assert calls[0] == "searched", calls
     assert plan.model_estimate is not None
     said = [str(w.message) for w in caught if "no plan compiles within" in str(w.message)]
     if times == 1:
+        assert calls[1].startswith("searched-1"), calls
         assert plan.fits() and "kept searched-1" in note and not said, (note, said)
     else:
         assert not plan.fits() and "no plan compiled within" in note and said, (note, said)
