@@ -183,14 +183,17 @@ class MemoryModel:
                 value = g.values[v]
                 if is_tensor(value) and value.ndim > 0 and v in p.producer:
                     readers.setdefault(v, []).append((p.num_inputs + node.id, i))
-        bytes_of: dict = {}  # (shape, spec) -> bytes: repeated layers read the same
+        bytes_of: dict = {}  # shape -> spec -> bytes: repeated layers read the same
 
         def nbytes_for(value, specs):
-            shape = (value.shape, value.dtype, value.itemsize)
-            for d in specs:
-                if (shape, d) not in bytes_of:
-                    bytes_of[(shape, d)] = p.cost.value_bytes(value, d)
-            return self.scale * np.ceil([bytes_of[(shape, d)] for d in specs])
+            of = bytes_of.setdefault((value.shape, value.dtype, value.itemsize), {})
+            out = []
+            for d in specs:  # one lookup per spec (hashing the specs is what this costs)
+                b = of.get(d)
+                if b is None:
+                    b = of[d] = p.cost.value_bytes(value, d)
+                out.append(b)
+            return self.scale * np.ceil(out)
 
         # A value with a fan-out member is resharded once into the fan-out's layout, which all
         # its readers read (the copies below start from it): that copy is held from the first
