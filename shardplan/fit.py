@@ -72,15 +72,23 @@ def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
     def run(name, p):
         return measure.measure(graph, traced, p, device_mesh, hw, name, donate, dtype, widening)
 
+    compile_s = 0.0  # how long a check's compile took: a re-plan leaves time for its own
+
     def replan(ilp_budget: float) -> Plan:
+        # The re-plan and the compile of its plan end by the time limit (a re-plan given what
+        # remained of it, then compiled, ran a 30 s limit to 46-73 s on 2x4).
+        left = deadline.limit_s - deadline.elapsed() - compile_s
+        if left <= 0:
+            raise SearchTimeout(options.time_limit, "no time left to re-plan and compile")
         with warnings.catch_warnings():  # the first plan has warned about the same graph
             warnings.simplefilter("ignore")
             return plan_graph(graph, traced, mesh_shape, hw, options, ilp_budget=ilp_budget,
                               device_mesh=device_mesh, device_order=device_order,
-                              deadline=deadline,
+                              deadline=Deadline(left, grace=0.0),
                               donated=donated_inputs(traced, donate_argnums))[0]
 
     candidates = [run("searched", plan)]
+    compile_s = time.perf_counter() - start
     stopped = replan_mod.recalibrate(candidates, run, budget, replan)
     priced = [c for c in candidates if c.priced is not None]
     if not priced:  # nothing compiled: the model's word stands, and the notes say why

@@ -213,3 +213,39 @@ def test_peak_sweep_equals_the_rows_at_every_point():
             at_points = max(at_points, total)
         assert at_points > 0
         assert model.peak(choice) == pytest.approx(at_points, rel=1e-12)  # margin: floats
+
+
+def test_what_xla_simplifies_away_is_never_written():
+    """A gather's gradient is a scatter-add into zeros: the zeros are never held (a broadcast
+    of a constant), and when an add alone reads the scatter XLA scatters into the add's other
+    operand in place; a transpose that only dots read is folded into them (measured on the
+    live ranges of llama and the MoE at test size: memory.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.intra import liveness
+    from shardplan.ir.lift import LiftOptions, lift
+    from shardplan.ir.trace import trace
+
+    def f(w, x, labels):
+        logits = x @ w.T
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)
+        return -jnp.mean(picked)
+
+    args = (jnp.ones((32, 8)), jnp.ones((4, 8)), jnp.zeros((4,), jnp.int32))
+    t = trace(jax.grad(f), args, (0,), (1, 2))
+    g = lift(t.closed_jaxpr, t.arg_info, LiftOptions())
+    readers = {}
+    for node in g.nodes:
+        for v in set(node.inputs):
+            readers.setdefault(v, []).append(node.id)
+    virtual = liveness.unwritten(g, readers, {v: [j] for j, v in enumerate(g.outputs)})
+    producer = {v: n for n in g.nodes for v in n.outputs}
+    scatter = next(n for n in g.nodes if n.primitive == "scatter-add")
+    zeros = producer[scatter.inputs[0]]
+    assert zeros.primitive == "broadcast_in_dim" and zeros.outputs[0] in virtual
+    if all(g.nodes[r].primitive in ("add", "add_any") for r in readers[scatter.outputs[0]]):
+        assert scatter.outputs[0] in virtual
+    transposes = [n for n in g.nodes if n.primitive == "transpose" and n.outputs[0] in readers
+                  and all(g.nodes[r].primitive == "dot_general" for r in readers[n.outputs[0]])]
+    assert transposes and all(n.outputs[0] in virtual for n in transposes)

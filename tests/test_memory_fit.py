@@ -5,13 +5,14 @@ devices. A bf16 step compiled on CPU is counted as the target would hold it (XLA
 bf16 through f32 buffers)."""
 
 import dataclasses
+import time
 import warnings
 
 import jax
 import pytest
 
 import shardplan
-from shardplan import fit, measure
+from shardplan import fit, measure, replan
 from shardplan.analysis import hlo, target
 from shardplan.cost.hardware import get_profile
 from shardplan.intra import liveness
@@ -86,7 +87,8 @@ def _over_budget_at_first(monkeypatch, times, factor):
 def test_a_plan_compiled_over_the_budget_is_planned_again_or_not_said_to_fit(
         times, factor, mesh2x4, monkeypatch):
     """Under a budget on devices the plan is compiled: over the budget, the ILP plans again
-    under a scaled budget (shardplan.fit); when no re-plan compiles within it either, the plan
+    under a scaled budget (shardplan.fit); when no re-plan compiles within it either (or the
+    time limit leaves none: the least memory's proof can take what remains), the plan
     returned says it does not fit (its estimate is the compiled peak) and a warning says so."""
     m = get_model("mlp", "tiny", abstract=True)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
@@ -98,10 +100,11 @@ def test_a_plan_compiled_over_the_budget_is_planned_again_or_not_said_to_fit(
         plan = fit.plan_checked(traced, MeshShape.of(mesh2x4), get_profile("cpu"), options,
                                 device_mesh=mesh2x4, donate_argnums=m.state_argnums)
     note = next(n for n in plan.notes if n.startswith("memory checked once compiled"))
-    assert calls[0] == "searched" and calls[1].startswith("searched-1"), calls
+    assert calls[0] == "searched", calls
     assert plan.model_estimate is not None
     said = [str(w.message) for w in caught if "no plan compiles within" in str(w.message)]
     if times == 1:
+        assert calls[1].startswith("searched-1"), calls
         assert plan.fits() and "kept searched-1" in note and not said, (note, said)
     else:
         assert not plan.fits() and "no plan compiled within" in note and said, (note, said)
@@ -156,3 +159,49 @@ def test_the_compiled_check_compiles_the_donation_the_step_runs_with(mesh2x4):
         warnings.simplefilter("ignore")
         peak = hlo.analyze(measure.compile_for_analysis(step.lower(*m.args))).peak_bytes
     assert plan.estimate.peak_bytes == pytest.approx(peak, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "moe"])
+def test_the_memory_models_own_estimate_is_within_tolerance_of_the_compiled_peak(name, mesh8):
+    """The memory model's estimate (no compiled check) of the plan it is asked about, set
+    against the plan compiled. Without the zeros a gather's gradient is scattered into held
+    from the step's start, the scatter into them kept beside the add XLA scatters into, and
+    the transposed embedding the logits' dot folds, the model counted llama at 1/0.779 and
+    the MoE at 1/0.802 of their compiled peaks."""
+    m = get_model(name, "tiny", abstract=True)
+    traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
+    plan, graph, _ = plan_step(traced, MeshShape.of(mesh8), get_profile("cpu"),
+                               DEFAULTS.replace(time_limit=20.0), device_mesh=mesh8)
+    lowered = measure.lower_plan(graph, traced, plan, mesh8, m.state_argnums)
+    peak = hlo.analyze(measure.compile_for_analysis(lowered)).peak_bytes
+    assert abs(peak / plan.estimate.peak_bytes - 1) <= TOLERANCE, (peak, plan.estimate.peak_bytes)
+
+
+def test_re_plans_and_their_compiles_end_within_the_time_limit(mesh2x4, monkeypatch):
+    """Every program compiling over the budget (and each compile 2.5 s): the check re-plans
+    only while a re-plan and its compile fit in what remains of the time limit, so the whole
+    check ends within 1.2x of it (re-planning whatever remained, then compiling, ran 30 s
+    limits to 46-73 s on 2x4)."""
+    real, calls = measure.measure, []
+
+    def slow(*args, **kwargs):
+        time.sleep(2.5)
+        got = real(*args, **kwargs)
+        calls.append(got.name)
+        return dataclasses.replace(got, priced=dataclasses.replace(
+            got.priced, peak_bytes=10 * got.priced.peak_bytes))
+
+    monkeypatch.setattr(measure, "measure", slow)
+    m = get_model("mlp", "tiny", abstract=True)
+    traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
+    options = DEFAULTS.replace(memory_budget=300 * 2**10, time_limit=7.0,
+                               state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = fit.plan_checked(traced, MeshShape.of(mesh2x4), get_profile("cpu"), options,
+                                device_mesh=mesh2x4, donate_argnums=m.state_argnums)
+    took = time.perf_counter() - t
+    assert took <= 1.2 * options.time_limit, (took, calls)
+    assert calls[0] == "searched" and not plan.fits()
+    assert len(calls) < 1 + replan.RECALIBRATIONS, calls  # a re-plan was left out

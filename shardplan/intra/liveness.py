@@ -15,10 +15,13 @@ from shardplan.cost.model import FUSED
 # into the readers), and the loop's counters are as large again while it runs.
 GENERATORS = frozenset({"random_bits"})
 
-def schedule(graph) -> list[int]:
+def schedule(graph, unwritten: frozenset[int] = frozenset(),
+             in_place: frozenset[int] = frozenset()) -> list[int]:
     """The position of each node in the order XLA's memory-minimising scheduler would run
     them, approximated by its list scheduler: of the nodes whose operands are ready, run the
-    one that frees the most bytes net of what it allocates (ties: program order). The
+    one that frees the most bytes net of what it allocates (ties: program order); values in
+    `unwritten` (fused into their readers) are no buffers, and outputs `in_place` (a state
+    update written into its input's buffer) allocate nothing. The
     jaxpr's own order runs, say, every first moment update of an optimizer before any second
     one, keeping every gradient alive that XLA frees leaf by leaf."""
     nodes = graph.nodes
@@ -40,8 +43,10 @@ def schedule(graph) -> list[int]:
     def priority(i):
         node = nodes[i]
         freed = sum(graph.values[v].nbytes for v in set(node.inputs)
-                    if left.get(v) == 1 and v in producer and v not in pinned)
-        made = sum(graph.values[v].nbytes for v in node.outputs)
+                    if left.get(v) == 1 and v in producer and v not in pinned
+                    and v not in unwritten)
+        made = sum(graph.values[v].nbytes for v in node.outputs
+                   if v not in unwritten and v not in in_place)
         return (made - freed, i)
 
     heap = [priority(i) for i in range(len(nodes)) if waiting[i] == 0]
@@ -125,32 +130,73 @@ def outer(graph, node, v) -> bool:
                for u in node.inputs)
 
 
-def lifetimes(graph, pos, readers, outputs) -> tuple[set[int], dict[int, int]]:
-    """(values XLA never writes, the position of each value's last read). A value is never
-    written when its producer is fused into its readers: an op read once by another fused op,
-    or a cheap unary op (CHEAP) that only fused ops read; the reads of such a value read its
-    producer's operands, so their last read moves to the value's. A reduction's operand is
+def _constants(graph) -> set[int]:
+    """The values computed from literals alone (no input of the step feeds them)."""
+    constant: set[int] = set()
+    for node in graph.nodes:
+        if all(graph.values[u].is_literal or u in constant for u in node.inputs):
+            constant.update(node.outputs)
+    return constant
+
+
+def _folded(graph, node, v, rs, constant) -> bool:
+    """Values XLA's simplification passes leave unwritten, measured on the live ranges of the
+    zoo's steps (--xla_dump_to):
+    - a broadcast of a constant (the zeros a gather's gradient is scattered into): fused into
+      its readers, or written by the scatter that reads it, never held from the step's start;
+    - a scatter-add into such zeros that an add alone reads (a gather's gradient summed with
+      another, the loss's softmax gradient or a tied embedding's): XLA scatters into the
+      add's other operand in place (its algebraic simplifier), so no buffer of its own;
+    - a transpose that only dots read: folded into the dots' dimension numbers."""
+    prim = node.primitive
+    if prim == "broadcast_in_dim" and v in constant:
+        return True
+    if prim == "scatter-add" and node.inputs and node.inputs[0] in constant:
+        return all(graph.nodes[r].primitive in ("add", "add_any") for r in rs)
+    if prim == "transpose":
+        return all(graph.nodes[r].primitive == "dot_general" for r in rs)
+    return False
+
+
+def unwritten(graph, readers, outputs) -> set[int]:
+    """The values XLA never writes. A value is never written when its producer is fused into
+    its readers: an op read once by another fused op, or a cheap unary op (CHEAP) that only
+    fused ops read; or when XLA's simplifier folds it (_folded). A reduction's operand is
     written (XLA:CPU runs a reduction as a library fusion or a reduce-window tree that takes in
     no producer, or only the last one: counted written, the safe side)."""
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
     fused = FUSED - UNFUSED
     takes_in = fused - REDUCTIONS
+    constant = _constants(graph)
     virtual: set[int] = set()
+    for node in graph.nodes:
+        for v in node.outputs:
+            rs = readers.get(v, ())
+            if not rs or v in outputs:
+                continue
+            fused_in = node.primitive in fused and node.primitive not in STACKED and all(
+                graph.nodes[r].primitive in takes_in for r in rs) and (
+                len(rs) == 1 or (node.primitive in CHEAP and _unary(graph, node, producer)
+                                 and not _materialised(graph, node, rs)))
+            if fused_in or _folded(graph, node, v, rs, constant):
+                virtual.add(v)
+    return virtual
+
+
+def lifetimes(graph, pos, readers, outputs, virtual=None) -> tuple[set[int], dict[int, int]]:
+    """(values XLA never writes (unwritten, unless given), the position of each value's last
+    read). The reads of a value never written read its producer's operands, so their last
+    read moves to the value's."""
+    if virtual is None:
+        virtual = unwritten(graph, readers, outputs)
     last: dict[int, int] = {}
     for node in reversed(graph.nodes):
         for v in node.outputs:
             rs = readers.get(v, ())
-            if not rs:
-                continue
-            last[v] = max(max(pos[r] for r in rs),
-                          max((last[o] for r in rs for o in graph.nodes[r].outputs
-                               if o in virtual), default=0))
-            if v in outputs or node.primitive not in fused or node.primitive in STACKED:
-                continue
-            if all(graph.nodes[r].primitive in takes_in for r in rs) and (
-                    len(rs) == 1 or (node.primitive in CHEAP and _unary(graph, node, producer)
-                                     and not _materialised(graph, node, rs))):
-                virtual.add(v)
+            if rs:
+                last[v] = max(max(pos[r] for r in rs),
+                              max((last[o] for r in rs for o in graph.nodes[r].outputs
+                                   if o in virtual), default=0))
     return virtual, last
 
 
@@ -173,13 +219,15 @@ def cpu_widening(graph) -> float:
     where it uses it."""
     if not any(v.dtype in NARROW_FLOATS for v in graph.values):
         return 1.0
-    pos = schedule(graph)
     readers: dict[int, list[int]] = {}
     for node in graph.nodes:
         for v in set(node.inputs):
             readers.setdefault(v, []).append(node.id)
     outputs = {v: [j] for j, v in enumerate(graph.outputs)}
-    virtual, last = lifetimes(graph, pos, readers, outputs)
+    virtual = unwritten(graph, readers, outputs)
+    tied = frozenset(v for j, v in enumerate(graph.outputs) if graph.output_ties[j] is not None)
+    pos = schedule(graph, frozenset(virtual), tied)
+    virtual, last = lifetimes(graph, pos, readers, outputs, virtual)
     n = len(graph.nodes) + 1
     native, widened = np.zeros(n + 1), np.zeros(n + 1)
     for node in graph.nodes:
