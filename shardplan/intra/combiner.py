@@ -145,23 +145,7 @@ def terminal_values(g: Graph, heads: frozenset[str]) -> frozenset[int]:
     unless an update reads one from another (a global norm), so XLA runs them as one or a few
     combined all-reduces whatever their number; the ILP prices them without their own latency
     (intra/problem.py)."""
-    feeds: set[int] = set()  # values from which a head is reachable
-    carried = {}
-    for src, carry, _ in g.carry_edges():
-        carried.setdefault(src, []).append(carry)
-    changed = True
-    while changed:  # a carry runs backwards in program order: to a fixed point
-        changed = False
-        for node in reversed(g.nodes):
-            if node.primitive in heads or any(v in feeds for v in node.outputs):
-                for v in node.inputs:
-                    if v not in feeds:
-                        feeds.add(v)
-                        changed = True
-        for src, carries in carried.items():
-            if src not in feeds and any(c in feeds for c in carries):
-                feeds.add(src)
-                changed = True
+    feeds = _upstream(g, (), heads)  # values from which a head is reachable
     made = {v for node in g.nodes for v in node.outputs}
     return frozenset(made - feeds)
 
@@ -174,24 +158,29 @@ def gradient_values(g: Graph, heads: frozenset[str]) -> frozenset[int]:
     each with its own latency)."""
     terminal = terminal_values(g, heads)
     tied = {v for v, tie in zip(g.outputs, g.output_ties) if tie is not None}
-    reaches = set(tied)
-    for node in reversed(g.nodes):
-        if any(v in reaches for v in node.outputs):
-            reaches.update(node.inputs)
-    carried = {}
+    reaches = _upstream(g, tied)
+    return frozenset(terminal & reaches)
+
+
+def _upstream(g: Graph, seeds, heads: frozenset[str] = frozenset()) -> set[int]:
+    """The values from which a value of `seeds` or a node of `heads` (primitives) is
+    reachable, through nodes and loop carries (a carry runs backwards in program order: to a
+    fixed point)."""
+    found = set(seeds)
+    carried: dict[int, list[int]] = {}
     for src, carry, _ in g.carry_edges():
         carried.setdefault(src, []).append(carry)
     changed = True
-    while changed:  # a carry runs backwards in program order: to a fixed point
+    while changed:
         changed = False
-        for src, carries in carried.items():
-            if src not in reaches and any(c in reaches for c in carries):
-                reaches.add(src)
-                changed = True
         for node in reversed(g.nodes):
-            if any(v in reaches for v in node.outputs):
+            if node.primitive in heads or any(v in found for v in node.outputs):
                 for v in node.inputs:
-                    if v not in reaches:
-                        reaches.add(v)
+                    if v not in found:
+                        found.add(v)
                         changed = True
-    return frozenset(terminal & reaches)
+        for src, carries in carried.items():
+            if src not in found and any(c in found for c in carries):
+                found.add(src)
+                changed = True
+    return found
