@@ -26,20 +26,21 @@ def plan(traced: TracedStep, options: SearchOptions,
     rematerialized, as options.remat says (see the module). Pipelines (options.pipeline not
     False) are planned as written. Under "auto" the two plans share options.time_limit: the
     second gets what the first left, at least the grace Deadline allows a running solve."""
-    if options.remat is False or options.pipeline is not False:
+    if options.remat is False or options.pipeline is not False or (
+            options.remat == "auto" and options.memory_budget is None):
         return plan_fn(traced, options)
-    remat = traced.rematerialized
     if options.remat is True:
+        remat = traced.rematerialized
         if remat is None:
             return _noted(plan_fn(traced, options), "remat=True: no scanned layers to "
                           "rematerialize (no differentiated scan whose residuals the backward "
                           "pass reads); the step is planned as written")
         return _marked(plan_fn(remat, options), remat, "remat=True")
-    if options.memory_budget is None:
-        return plan_fn(traced, options)
     deadline = Deadline(options.time_limit)
     first, error, caught = _attempt(plan_fn, traced, options)
-    if first is not None and first.fits() is not False or remat is None:
+    fits = first is not None and first.fits() is not False
+    remat = None if fits else traced.rematerialized  # the rewrite, only where it may be used
+    if fits or remat is None:
         _rewarn(caught)
         if error is not None:
             raise error
