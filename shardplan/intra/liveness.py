@@ -52,10 +52,10 @@ def schedule(graph, unwritten: frozenset[int] = frozenset(),
     heapq.heapify(heap)
     done, pos = set(), [0] * len(nodes)
     while heap:
-        key, i = heapq.heappop(heap)
-        if i in done or priority(i)[0] != key:
-            if i not in done:
-                heapq.heappush(heap, priority(i))
+        # A node's priority only falls (an operand's last reader it becomes), and each fall
+        # pushes it again: its first entry out is its current priority, later ones are stale.
+        _, i = heapq.heappop(heap)
+        if i in done:
             continue
         pos[i] = len(done)
         done.add(i)
