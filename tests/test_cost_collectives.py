@@ -13,7 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.analysis.hlo import analyze
 from shardplan.cost import collectives as C
-from shardplan.cost.hardware import HardwareProfile, Link
+from shardplan.cost.hardware import HardwareProfile, Link, get_profile
+from shardplan.cost.model import AlphaBetaCost
+from shardplan.ir.graph import Value
 from shardplan.strategies.base import Collective
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from tests.conftest import auto_mesh
@@ -427,3 +429,22 @@ def test_partial_sums_on_cpu_compile_to_an_all_reduce():
     assert [(o.kind, o.nbytes, o.bytes_sent) for o in ops] == [
         (c.kind, c.nbytes, C.bytes_sent(c.kind, c.nbytes, 8)) for c in gpu
     ]
+
+
+def test_the_cost_models_reshard_collectives_and_path_are_the_plans_own():
+    """AlphaBetaCost keeps each reshard's collectives and path once made (tied layers ask
+    again): what it returns is what collectives.reshard and reshard_path plan."""
+    cost = AlphaBetaCost(M24, get_profile("a100-80gb"))
+    value = Value(0, SHAPE, "float32", F32)
+    kw = {"forms_reduce_scatter": cost.hardware.forms_reduce_scatter, "links": cost.links}
+    pairs = [(spec("d", None), spec(None, "m")), (spec(None, None, partial=("d",)),
+                                                  spec("d", None, partial=("d",))),
+             (spec(("d", "m"), None), spec(None, None))]
+    for src, dst in pairs:
+        s, d = (src.without_partial(), dst.without_partial()) if dst.partial else (src, dst)
+        first = cost.reshard_comms(value, src, dst)
+        assert first == C.reshard(SHAPE, F32, s, d, M24, **kw)
+        assert cost.reshard_comms(value, src, dst) is first
+        path = cost.reshard_path(value, src, dst)
+        assert path == C.reshard_path(SHAPE, F32, s, d, M24, **kw)
+        assert cost.reshard_path(value, src, dst) is path

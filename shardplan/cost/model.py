@@ -47,6 +47,9 @@ class AlphaBetaCost:
         self.hardware = hardware
         self.links = hardware.axis_links(mesh, device_order)
         self._reshard = functools.lru_cache(maxsize=None)(self._reshard_uncached)
+        # the collectives and the path of a reshard, asked again for each tied layer's values
+        self._comms = functools.lru_cache(maxsize=None)(self._comms_uncached)
+        self._path = functools.lru_cache(maxsize=None)(self._path_uncached)
 
     def _peak(self, dtype: str) -> float:
         try:
@@ -141,7 +144,10 @@ class AlphaBetaCost:
             return ()
         if dst.partial:
             src, dst = src.without_partial(), dst.without_partial()
-        return collectives.reshard(value.shape, value.itemsize, src, dst, self.mesh,
+        return self._comms(value.shape, value.itemsize, src, dst)
+
+    def _comms_uncached(self, shape, itemsize, src: ShardSpec, dst: ShardSpec):
+        return collectives.reshard(shape, itemsize, src, dst, self.mesh,
                                    forms_reduce_scatter=self.hardware.forms_reduce_scatter,
                                    links=self.links)
 
@@ -152,7 +158,10 @@ class AlphaBetaCost:
             return ()
         if dst.partial:
             src, dst = src.without_partial(), dst.without_partial()
-        return collectives.reshard_path(value.shape, value.itemsize, src, dst, self.mesh,
+        return self._path(value.shape, value.itemsize, src, dst)
+
+    def _path_uncached(self, shape, itemsize, src: ShardSpec, dst: ShardSpec):
+        return collectives.reshard_path(shape, itemsize, src, dst, self.mesh,
                                         forms_reduce_scatter=self.hardware.forms_reduce_scatter,
                                         links=self.links)
 

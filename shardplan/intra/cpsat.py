@@ -134,6 +134,11 @@ def build_model(inp: SolverInput, minimise_memory: bool):
                         vs.append(ev[k][l])
                         cs.append(math.ceil(size[k, l]))
 
+    for r in inp.implications:
+        if not np.any(r.when):
+            continue
+        model.Add(sum(x[r.a][k] for k in np.flatnonzero(r.when)) <=
+                  sum(x[r.b][l] for l in np.flatnonzero(r.allowed)))
     mem_exprs = _memory_exprs(model, inp, x, copy_terms)
     if minimise_memory:
         peak = model.NewIntVar(0, _memory_bound(inp), "peak")

@@ -33,6 +33,22 @@ class Copy(NamedTuple):
         return 0.0 if self.key_a[k] == self.key_b[l] else float(self.bytes_a[k] + self.bytes_b[l])
 
 
+class Implication(NamedTuple):
+    """A choice of member a in `when` forces member b to one in `allowed` (a row of the ILP:
+    sum of a's choices in `when` <= sum of b's in `allowed`). The same as an edge with an
+    infinite cost at [k, l] for k in `when`, l not in `allowed`, without the edge's pair
+    variables, and without making a a neighbour of b in presolve (intra/hubs.py: a member
+    that reduces a gradient over some mesh axes turns their hub on)."""
+
+    a: int
+    when: np.ndarray
+    b: int
+    allowed: np.ndarray
+
+    def holds(self, choice) -> bool:
+        return not self.when[choice[self.a]] or bool(self.allowed[choice[self.b]])
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class SolverInput:
     """Everything the solver sees. Costs are in seconds, memory in bytes per device.
@@ -44,6 +60,7 @@ class SolverInput:
       one moment of the step with the buffers alive then.
     memory_base: (node, bytes per strategy) of the buffers alive at every moment.
     copies, row_copies: reshard copies (Copy) and, per row, the indices of those alive then.
+    implications: rows that forbid some pairs of two nodes' choices (Implication).
     hint: a known feasible choice (for example all replicated) to start the search from.
     workers: CP-SAT workers; 1 (the default) is deterministic, more are faster but may race.
     deadline: the wall clock the whole search must end by; time_limit_s stays the
@@ -62,6 +79,7 @@ class SolverInput:
     copies: tuple[Copy, ...] = ()
     row_copies: tuple[tuple[int, ...], ...] = ()
     deadline: Deadline | None = None
+    implications: tuple[Implication, ...] = ()
 
     def remaining(self) -> float:
         return self.deadline.remaining() if self.deadline is not None else float("inf")
@@ -125,6 +143,8 @@ def evaluate(inp: SolverInput, choice) -> tuple[float, float]:
     """(objective, peak memory) of a choice."""
     obj = sum(float(c[k]) for c, k in zip(inp.node_costs, choice))
     obj += sum(float(m[choice[a], choice[b]]) for a, b, m in inp.edges)
+    if not all(r.holds(choice) for r in inp.implications):
+        obj = float("inf")
     return obj, max(inp.row_peaks(choice), default=0.0)
 
 
@@ -245,6 +265,9 @@ def greedy_choices(inp: SolverInput) -> list[tuple[int, ...]]:
         # oriented [this node's choice, the other's]
         adj.setdefault(b, []).append((a, np.asarray(m).T))
         adj.setdefault(a, []).append((b, np.asarray(m)))
+    forced: dict[int, list[Implication]] = {}
+    for r in inp.implications:
+        forced.setdefault(max(r.a, r.b), []).append(r)
     biggest = max([float(np.max(m)) for m in mem] + [1.0])
     scale = max([float(np.max(np.where(np.isfinite(c), c, 0))) for c in inp.node_costs] + [1e-12])
     out = []
@@ -255,6 +278,11 @@ def greedy_choices(inp: SolverInput) -> list[tuple[int, ...]]:
             for j, m in adj.get(i, ()):
                 if j < i:
                     score = score + m[:, choice[j]]
+            for r in forced.get(i, ()):  # rows whose other member is chosen
+                if r.a == i and not r.allowed[choice[r.b]]:
+                    score = np.where(r.when, np.inf, score)
+                elif r.b == i and r.when[choice[r.a]]:
+                    score = np.where(r.allowed, score, np.inf)
             choice.append(int(np.argmin(np.where(np.isnan(score), np.inf, score))))
         out.append(tuple(choice))
     return out

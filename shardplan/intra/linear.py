@@ -33,6 +33,10 @@ MIP_GAP = 0.0
 # nanosecond where it is 10 ms): equal plans no longer tie, and every run finds the same one.
 PERTURB = 1e-3
 
+# How far from 0 or 1 a choice variable of the LP relaxation may be and count as integral
+# (HiGHS's own integrality tolerance).
+INTEGRAL = 1e-6
+
 
 class _Sparse:
     """The MIP as arrays: variable bounds and objective, rows as (row, column, value) triplets
@@ -92,6 +96,11 @@ def _sparse(inp: SolverInput) -> tuple[_Sparse, list[np.ndarray]]:
         model.terms(r[pair.cols], x[pair.b], -1.0)
         for j, size in pair.copies:
             copy_terms.setdefault(j, []).append((e, size[fr, fc]))
+    for r in inp.implications:  # sum of a's choices in `when` <= sum of b's in `allowed`
+        row = model.rows([-np.inf], [0.0])[0]
+        a, b = x[r.a][np.asarray(r.when, bool)], x[r.b][np.asarray(r.allowed, bool)]
+        model.terms(np.full(len(a), row), a, 1.0)
+        model.terms(np.full(len(b), row), b, -1.0)
     if inp.memory_budget is not None and (inp.memory_rows or inp.memory_base):
         _sparse_memory(model, inp, x, copy_terms)
     return model, x
@@ -128,32 +137,50 @@ def mip(inp: SolverInput):
     OR-Tools' wrapper of it spent as long again copying a GPT layer's model in):
     ('optimal' | 'feasible', choice), ('infeasible', None) when no choice fits the memory rows
     (proven), or ('timeout', None). The time limit is the wall clock (HiGHS has no
-    deterministic one): a solve cut short may differ between runs; one that ends is the same."""
+    deterministic one): a solve cut short may differ between runs; one that ends is the same.
+
+    Where every choice fits (no memory rows), the LP relaxation is solved first: Alpa's edge
+    pairs make it integral on these problems (measured: the unrolled GPT-2 1.5B core on 8x8,
+    and the zoo's), and an integral LP optimum is the MIP's, proven, without the MIP's presolve
+    and root (that core: 2.6 against 3.6 CPU s). A fractional one goes on to the MIP."""
     model, x = _sparse(inp)
     if inp.remaining() <= 0:
         return "timeout", None
     rows, cols, vals = (np.concatenate(t) for t in zip(*model.triplets))
     matrix = sparse.csr_matrix((vals, (rows, cols)), shape=(model.num_rows, model.num_vars))
-    options = {"time_limit": max(0.01, min(inp.time_limit_s, inp.remaining())),
-               "mip_rel_gap": MIP_GAP, "disp": False}
+    num_x = sum(len(xs) for xs in x)
+    integrality = np.zeros(model.num_vars)
+
+    def run(options):
+        options = {"time_limit": max(0.01, min(inp.time_limit_s, inp.remaining())),
+                   "disp": False, **options}
+        with warnings.catch_warnings():
+            # scipy warns of the HiGHS options it does not list, and passes them on
+            warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
+            return optimize.milp(
+                np.concatenate(model.obj), integrality=integrality,
+                bounds=optimize.Bounds(np.concatenate(model.lb), np.concatenate(model.ub)),
+                constraints=optimize.LinearConstraint(matrix, np.concatenate(model.rlo),
+                                                      np.concatenate(model.rhi)),
+                options=options)
+
+    def choice_of(res):
+        return tuple(int(np.argmax(res.x[xs])) for xs in x)
+
+    options = {"mip_rel_gap": MIP_GAP}
     if not inp.memory_rows and not inp.memory_base:
+        lp = run({})
+        if lp.status == 0 and np.all(np.minimum(lp.x[:num_x], 1 - lp.x[:num_x]) <= INTEGRAL):
+            return "optimal", choice_of(lp)
+        if inp.remaining() <= 0:
+            return "timeout", None
         # Every choice is feasible: the feasibility-jump heuristic's first plan only delays
         # the root LP (10% of the unrolled GPT-2 1.5B core's solve).
         options["mip_heuristic_run_feasibility_jump"] = False
-    integrality = np.zeros(model.num_vars)
-    integrality[:sum(len(xs) for xs in x)] = 1
-    with warnings.catch_warnings():
-        # scipy warns of the HiGHS options it does not list, and passes them on
-        warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
-        res = optimize.milp(
-            np.concatenate(model.obj), integrality=integrality,
-            bounds=optimize.Bounds(np.concatenate(model.lb), np.concatenate(model.ub)),
-            constraints=optimize.LinearConstraint(matrix, np.concatenate(model.rlo),
-                                                  np.concatenate(model.rhi)),
-            options=options)
+    integrality[:num_x] = 1
+    res = run(options)
     if res.status == 2:
         return "infeasible", None
     if res.x is None:
         return "timeout", None
-    choice = tuple(int(np.argmax(res.x[xs])) for xs in x)
-    return ("optimal" if res.status == 0 else "feasible"), choice
+    return ("optimal" if res.status == 0 else "feasible"), choice_of(res)

@@ -39,24 +39,23 @@ def schedule(graph, unwritten: frozenset[int] = frozenset(),
             if v in producer:
                 dependents.setdefault(producer[v], set()).add(node.id)
     left = {v: len(r) for v, r in readers.items()}
+    # per node: the bytes it writes, and its operands that its run may free with their bytes
+    made = [sum(graph.values[v].nbytes for v in node.outputs
+                if v not in unwritten and v not in in_place) for node in nodes]
+    freeable = [[(v, graph.values[v].nbytes) for v in set(node.inputs)
+                 if v in producer and v not in pinned and v not in unwritten] for node in nodes]
 
     def priority(i):
-        node = nodes[i]
-        freed = sum(graph.values[v].nbytes for v in set(node.inputs)
-                    if left.get(v) == 1 and v in producer and v not in pinned
-                    and v not in unwritten)
-        made = sum(graph.values[v].nbytes for v in node.outputs
-                   if v not in unwritten and v not in in_place)
-        return (made - freed, i)
+        return (made[i] - sum(b for v, b in freeable[i] if left.get(v) == 1), i)
 
     heap = [priority(i) for i in range(len(nodes)) if waiting[i] == 0]
     heapq.heapify(heap)
     done, pos = set(), [0] * len(nodes)
     while heap:
-        key, i = heapq.heappop(heap)
-        if i in done or priority(i)[0] != key:
-            if i not in done:
-                heapq.heappush(heap, priority(i))
+        # A node's priority only falls (an operand's last reader it becomes), and each fall
+        # pushes it again: its first entry out is its current priority, later ones are stale.
+        _, i = heapq.heappop(heap)
+        if i in done:
             continue
         pos[i] = len(done)
         done.add(i)

@@ -101,10 +101,16 @@ class MemoryModel:
 
         self.scale = scale = 1.0 + margin
 
+        made: dict[tuple, np.ndarray] = {}  # tied layers write the same: priced once
+
         def sizes(v, m, out_idx):
-            r = root[m]
-            return np.ceil([cost.value_bytes(g.values[v], p.out_spec(m, out_idx, k))
-                            for k in range(len(p.strategies[r]))])
+            value = g.values[v]
+            key = (value.shape, value.dtype, value.itemsize, p.choice_key(m), out_idx)
+            if key not in made:
+                made[key] = np.ceil([cost.value_bytes(value, p.out_spec(m, out_idx, k))
+                                     for k in range(len(p.strategies[root[m]]))])
+                made[key].flags.writeable = False
+            return made[key]
 
         readers: dict[int, list[int]] = {}
         for node in g.nodes:
@@ -229,10 +235,41 @@ class MemoryModel:
         # slice of the first one's gathered copy, which XLA slices at the reader (hoisted, a
         # GPT's estimate was 1.36x its compiled peak).
         hoist = len(p.mesh.useful_axes()) == 1
+        # Tied layers read and write the same layouts: each member's layouts (by its choice
+        # key), their keys and their bytes are made once.
+        layouts: dict[tuple, tuple] = {}  # (choice key, side, index) -> (specs, interned id)
+        interned: dict[tuple, int] = {}
+
+        def specs_of(m, side, idx):
+            key = (p.choice_key(m), side, idx)
+            if key not in layouts:
+                spec = p.out_spec if side == "out" else p.in_spec
+                specs = tuple(spec(m, idx, k) for k in range(len(p.strategies[root[m]])))
+                layouts[key] = (specs, interned.setdefault(specs, len(interned)))
+            return layouts[key]
+
+        pairs: dict[tuple[int, int], tuple] = {}  # (ids of both layouts) -> their keys, same
+
+        def keys_of(a, b):
+            if (a[1], b[1]) not in pairs:
+                ka, kb = _keys(a[0], b[0])
+                ka.flags.writeable = kb.flags.writeable = False
+                pairs[(a[1], b[1])] = (ka, kb, len(set(a[0]).union(b[0])) == 1)
+            return pairs[(a[1], b[1])]
+
+        sized: dict[tuple, np.ndarray] = {}
+
+        def bytes_of_layouts(value, d):
+            key = (value.shape, value.dtype, value.itemsize, d[1])
+            if key not in sized:
+                sized[key] = nbytes_for(value, d[0])
+                sized[key].flags.writeable = False
+            return sized[key]
+
         for v in sorted(readers):
             src, out_idx = p.source[v]
             rs = root[src]
-            srcs = [p.out_spec(src, out_idx, k) for k in range(len(p.strategies[rs]))]
+            srcs = specs_of(src, "out", out_idx)
             # Readers in the producer's group take its layout as it is (never a copy).
             movers = [(m, i) for m, i in readers[v] if root[m] != rs]
             if not movers:
@@ -245,13 +282,13 @@ class MemoryModel:
             seen, lead = set(), None
             for m, i in sorted(movers, key=lambda mi: self.pos[mi[0] - p.num_inputs]):
                 rm = root[m]
-                dsts = [p.in_spec(m, i, k) for k in range(len(p.strategies[rm]))]
-                key = (rm, tuple(dsts))
-                if key in seen or len(set(dsts).union(srcs)) == 1:
+                dsts = specs_of(m, "in", i)
+                key = (rm, dsts[1])
+                ka, kb, same = keys_of(srcs, dsts)
+                if key in seen or same:
                     continue
                 seen.add(key)
-                ka, kb = _keys(srcs, dsts)
-                nbytes = nbytes_for(g.values[v], dsts)
+                nbytes = bytes_of_layouts(g.values[v], dsts)
                 at = self.pos[m - p.num_inputs]
                 last = max([at, *(t for t in heavy if t > at)])
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
@@ -264,7 +301,7 @@ class MemoryModel:
                 elif (hoist and src < p.num_inputs and lead is not None and first < at
                       and g.nodes[m - p.num_inputs].primitive not in FUSED):
                     # counted while the two layouts differ, from the first layer to the reader
-                    kl, km = _keys(lead[1], dsts)
+                    kl, km, _ = keys_of(lead[1], dsts)
                     self.copies.append(Copy(lead[0], kl, np.zeros(len(kl)), rm, km, nbytes,
                                             first, at - 1, f"hoisted reshard of v{v} for {what}"))
                 self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start, last,

@@ -413,9 +413,9 @@ class Problem:
                 costs[ia] += np.diagonal(m)
             else:
                 merged[(ia, ib)] = merged.get((ia, ib), 0) + m
-        hub_costs, hub_edges = hubs.terms(self, len(costs))
+        hub_costs, hub_rows = hubs.terms(self, len(costs))
         node_costs = tuple(costs + hub_costs)
-        edge_list = tuple((a, b, m) for (a, b), m in sorted({**merged, **hub_edges}.items()))
+        edge_list = tuple((a, b, m) for (a, b), m in sorted(merged.items()))
         budget = self.options.memory_budget
         base = rows = copies = row_copies = ()
         if budget is not None:
@@ -425,6 +425,7 @@ class Problem:
                                hint=(0,) * len(self.reps) + (1,) * len(hub_costs),
                                memory_base=base,
                                copies=copies, row_copies=row_copies,
-                               deadline=self.options.deadline)
+                               deadline=self.options.deadline,
+                               implications=tuple(hub_rows))
 
 

@@ -58,10 +58,12 @@ class IntraOptions:
     # 1.082), llama 1.004 / 0.890 (1.178 / 1.024), moe 0.822 / 0.815 (0.993 / 1.025), vit
     # 0.976 / 0.953 (0.976 / 0.986); a tied 64k-vocab embedding takes Megatron's vocab split
     # (priced with every gradient's reduction free of latency, it took a plan 1.19x
-    # Megatron's: its one gradient reduction ran alone). Costs planning time: the hubs'
-    # edges keep presolve from eliminating their members (benchmarks/plan_speed.py, quiet
+    # Megatron's: its one gradient reduction ran alone). Costs planning time: as edges, the
+    # hubs kept presolve from eliminating their members (benchmarks/plan_speed.py, quiet
     # machine, s: gpt2-1.5b 8x8 unrolled 12.0 against 9.9 off, scanned 2.1 / 1.8, llama-7b
-    # 8x8 10.3 / 8.8, gpt2-124m 2x4 6.3 / 5.5). Off, the suite's plans are main's before
+    # 8x8 10.3 / 8.8, gpt2-124m 2x4 6.3 / 5.5); as rows (ilp.Implication) the core is the
+    # size it is off, but HiGHS's LP still takes more iterations (the unrolled gpt2-1.5b's
+    # 16k against 12k off). Off, the suite's plans are main's before
     # this option; on, tests/test_memory_fit.py's gpt case fails: the memory model puts the
     # new gpt 2x4 plan at 1.43 MB, compiled 1.13 MB (over-estimated, past its 10%).
     combine_gradients: bool = True
