@@ -12,9 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardplan
 from shardplan.analysis import hlo_collectives
+from shardplan.emit import spmd
 from shardplan.inter import layer_scan
 from shardplan.models import base, get_model, gpt
 from tests.conftest import auto_mesh
@@ -161,6 +164,24 @@ def test_scanned_gpt_spmd_pipeline_equals_the_single_device_step(schedule):
         schedule == "gpipe")
     check_three_steps(step, args, auto, rtol=2e-5, atol=5e-6)
     check_program(auto, args, plan)
+
+
+def test_the_forward_loop_gathers_the_activation_once_per_layer_and_tick():
+    """A layer that reads its activation split by rows and hands it on held whole (the plan's
+    carry): one all-gather per layer and tick, as the plan prices the carry's loop edge; the
+    head reading the outputs split by columns outside the loop no longer lays the layers'
+    result out split, to be gathered again before every ppermute."""
+    step, args = scanned_mlp(width=64, batch=32)
+    mesh = stage_mesh()
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), args)
+    shardings[0]["head"] = NamedSharding(mesh, P("data", None))
+    jitted = spmd.emit_spmd(step, mesh, S, M, shardings, schedule="gpipe", carry_specs=[P()],
+                            operand_specs={(0, 0): P("data", None)})
+    text = jitted.lower(*args).compile().as_text()
+    forward = [c for c in hlo_collectives.parse_collectives(text, 8)
+               if c.in_loop and c.kind == "all-gather" and "transpose" not in c.op_name]
+    assert sum(c.count for c in forward) == TICKS["gpipe"] * L // S, [
+        (c.count, c.shapes, c.op_name) for c in forward]
 
 
 def test_a_mesh_without_a_stage_axis_is_laid_out_stage_by_data(mesh8):
