@@ -90,7 +90,7 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
         if backward_specs:
-            local = layer_scan.held_parameters(micro_eqn, local, operand_specs)
+            local = layer_scan.held_parameters(micro_eqn, local, operand_specs, backward_specs)
         first, last = s == 0, s == S - 1
 
         def tick(t, loop):

@@ -86,9 +86,8 @@ def backward_eqns(closed: ClosedJaxpr) -> list:
     return [e for e in interpret.leaf_eqns(closed.jaxpr) if not _unnumbered(e)]
 
 
-def _vjp_jaxpr(forward: Callable, args: Sequence) -> tuple[list, ClosedJaxpr, list, Any]:
-    """(forward(*args), the jaxpr of its pullback: (residuals..., cotangents...) -> the
-    cotangents of the floating args, the residuals, which args are floating)."""
+def _vjp(forward: Callable, args: Sequence) -> tuple[list, Any, list[bool]]:
+    """(forward(*args), its pullback in the floating args, which args are floating)."""
     floats = [_is_float(x) for x in args]
 
     def f(*fl):
@@ -96,6 +95,13 @@ def _vjp_jaxpr(forward: Callable, args: Sequence) -> tuple[list, ClosedJaxpr, li
         return forward(*[next(it) if k else x for k, x in zip(floats, args)])
 
     outs, vjp = jax.vjp(f, *[x for k, x in zip(floats, args) if k])
+    return outs, vjp, floats
+
+
+def _vjp_jaxpr(forward: Callable, args: Sequence) -> tuple[list, ClosedJaxpr, list, Any]:
+    """(forward(*args), the jaxpr of its pullback: (residuals..., cotangents...) -> the
+    cotangents of the floating args, the residuals, which args are floating)."""
+    outs, vjp, floats = _vjp(forward, args)
     leaves, tree = jax.tree_util.tree_flatten(vjp)
     closed = jax.make_jaxpr(lambda res, ct: jax.tree_util.tree_unflatten(tree, res)(ct))(
         leaves, outs)
@@ -116,31 +122,34 @@ def traced_backward(forward: Callable, avals: Sequence) -> ClosedJaxpr:
     return found[0]
 
 
-def with_backward(forward: Callable, specs: Mapping[tuple[int, int], Any]) -> Callable:
+def with_backward(forward: Callable, specs: Mapping[tuple[int, int], Any],
+                  residual_specs: Mapping[int, Any] | None = None) -> Callable:
     """`forward` (flat arguments -> list of outputs) whose backward is its vjp's jaxpr bound
     again with operand j of backward equation i (numbered) held in specs[(i, j)], its result
-    r in specs[(i, -1 - r)]."""
+    r in specs[(i, -1 - r)]; an argument k the backward keeps as a residual (a weight) held
+    there in residual_specs[k], the layout it was read in before the loop: left free, XLA
+    lays the backward loop's copy out as one reader wants it and gathers it for another at
+    every iteration (GPT 6.7B on 8x8, 4 stages: fc1's and qkv's weights, per layer and tick)."""
     trees = []  # the pullback's structure, from the forward's trace (static: one shape)
+    residual_specs = dict(residual_specs or {})
 
     @jax.custom_vjp
     def layer(*args):
         return forward(*args)
 
     def fwd(*args):
-        floats = [_is_float(x) for x in args]
-
-        def f(*fl):
-            it = iter(fl)
-            return forward(*[next(it) if k else x for k, x in zip(floats, args)])
-
-        outs, vjp = jax.vjp(f, *[x for k, x in zip(floats, args) if k])
+        outs, vjp, floats = _vjp(forward, args)
         leaves, tree = jax.tree_util.tree_flatten(vjp)
         zeros = [None if k else np.shape(x) for k, x in zip(floats, args)]
-        trees.append((tree, zeros))
+        held = {r: residual_specs[k] for r, leaf in enumerate(leaves)
+                for k, x in enumerate(args) if k in residual_specs and leaf is x}
+        trees.append((tree, zeros, held))
         return outs, leaves
 
     def bwd(leaves, ct):
-        tree, zeros = trees[-1]
+        tree, zeros, held = trees[-1]
+        leaves = [jax.lax.with_sharding_constraint(x, held[r]) if r in held else x
+                  for r, x in enumerate(leaves)]
         closed = jax.make_jaxpr(lambda r, c: jax.tree_util.tree_unflatten(tree, r)(c))(
             leaves, list(ct))
         number = numbered(closed)

@@ -292,13 +292,30 @@ def backward_key(i: int) -> int:
     return BACKWARD + i
 
 
+STACKED = 1 << 21
+"""stacked_key(k) = STACKED + k."""
+
+
+def stacked_key(k: int) -> int:
+    """The key an SPMD plan's operand_specs give (operand 0) the layout, per layer, its backward
+    keeps the scan's stacked parameter k in (spmd_specs.stacked_specs)."""
+    return STACKED + k
+
+
 def split_operand_specs(specs: Mapping[tuple[int, int], Any]) -> tuple[dict, dict, dict]:
     """An SPMD plan's operand layouts as (the layer body's {(equation, operand): spec}, the
-    equations after the scan's (post_key), the layer's backward's (backward_key))."""
+    equations after the scan's (post_key), the layer's backward's (backward_key; the stacked
+    parameters' under (-1 - k, 0), stacked_key))."""
     body = {k: v for k, v in specs.items() if 0 <= k[0] < BACKWARD}
     post = {(post_key(k[0]), k[1]): v for k, v in specs.items() if k[0] < 0}
-    back = {(k[0] - BACKWARD, k[1]): v for k, v in specs.items() if k[0] >= BACKWARD}
+    back = {(k[0] - BACKWARD, k[1]): v for k, v in specs.items() if BACKWARD <= k[0] < STACKED}
+    back.update({(-1 - (k[0] - STACKED), 0): v for k, v in specs.items() if k[0] >= STACKED})
     return body, post, back
+
+
+def backward_stacked(backward_specs: Mapping | None) -> dict[int, Any]:
+    """{k: spec} of the stacked parameters among a layer's backward layouts (split_operand_specs)."""
+    return {-1 - i: v for (i, _), v in (backward_specs or {}).items() if i < 0}
 
 
 def constrained(specs: Mapping[tuple[int, int], Any], forward_only: bool = False) -> Callable:
@@ -365,13 +382,16 @@ def parameter_read_specs(micro_eqn, operand_specs: Mapping | None) -> dict[int, 
     return specs
 
 
-def held_parameters(micro_eqn, stacked: Sequence, operand_specs: Mapping | None) -> list:
+def held_parameters(micro_eqn, stacked: Sequence, operand_specs: Mapping | None,
+                    backward_specs: Mapping | None = None) -> list:
     """A stage's stacked parameters (the scan's xs, [layers, ...]) held once, before the
-    pipeline's loop, in the layout the layer first reads each in (forward only: their
+    pipeline's loop, in the layout the layer first reads each in, or where the plan's
+    backward keeps it (`backward_specs`, backward_stacked) in that (forward only: their
     gradients' layout is the backward's). Without it XLA hoists the layers' reads of them out
     of the loop of ticks into a loop of its own, whose collectives XLA:CPU may run in another
     order on different devices than the step's other collectives (a deadlock)."""
-    specs = parameter_read_specs(micro_eqn, operand_specs)
+    specs = {**parameter_read_specs(micro_eqn, operand_specs),
+             **backward_stacked(backward_specs)}
     return [x if k not in specs else layer_backward.forward_held(
         x, jax.sharding.PartitionSpec(None, *specs[k])) for k, x in enumerate(stacked)]
 
@@ -401,8 +421,13 @@ def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None
         return (interpret.eval_leaves(body, ins, operand) if given or back
                 else interpret.eval_jaxpr(body, ins))
 
-    if back:
-        apply = layer_backward.with_backward(apply, back)
+    if back:  # the parameters (the scan's xs) kept for the backward as held before the loop
+        first = len(body.in_avals) - len(micro_eqn.invars) + micro_eqn.params["num_consts"] \
+            + nk
+        kept = {**parameter_read_specs(micro_eqn, given), **backward_stacked(back)}
+        apply = layer_backward.with_backward(
+            apply, {k: v for k, v in back.items() if k[0] >= 0},
+            {first + k: spec for k, spec in kept.items()})
 
     def layers(consts, carry, xs):
         def one(c, x):
