@@ -71,7 +71,9 @@ class Plan:
     """(node, operand) -> the layouts the operand is moved through; for an SPMD pipeline,
     (equation of the layer body, operand), and under negative keys (layer_scan.post_key) the
     head's and loss's equations after the scan (1F1B), under keys from layer_scan.BACKWARD
-    the layer's backward's equations (layer_backward; a negative operand: a result)."""
+    the layer's backward's equations (layer_backward; a negative operand: a result), and
+    under keys from layer_scan.STACKED the layout the backward keeps each stacked parameter
+    in."""
     memory_budget: float | None = None
     ops: tuple[OpRow, ...] = ()
     stages: tuple[Stage, ...] = ()

@@ -116,11 +116,12 @@ def spmd_plan(intra: Plan, full: spmd_cost.Priced, stage: spmd_cost.Priced | Non
     pmesh = MeshShape(p_names, p_sizes)
     carries = spmd_cost.carry_specs(stage, lt) if stage is not None else None
     inside = spmd_specs.body_operand_specs(stage, lt) if stage is not None else {}
-    # the layers' backward in the plan's layouts under GPipe (GPT 6.7B on 8x8, 4 stages: the
-    # compiled step 5.18 s against 6.16 s); 1F1B's measured worse with them (4 stages 11.2 s
-    # against 7.9 s, 8 stages 2.19 s against 1.82 s): its vjp per tick left to autodiff
+    # the layers' backward in the plan's layouts, the stacked parameters kept where it slices
+    # them (GPT 6.7B with 8 layers on 8x8, 4 stages, compiled and priced: GPipe 1.48 s -> 1.09
+    # s, 1F1B, whose autodiff all-reduced whole weights' gradients per layer and tick, 2.30 s
+    # -> 1.51 s)
     back = (spmd_specs.body_backward_specs(stage, lt, inside)
-            if stage is not None and inside and sched == "gpipe" else {})
+            if stage is not None and inside else {})
     # 1F1B runs the head and loss every tick inside its loop: in the micro-batch plan's
     # layouts (GPipe runs them once at full batch outside, where XLA's own layouts measured
     # as well or better: at GPT 6.7B 8x8 within 3%, on a small GPT 1.03x against 1.19x)

@@ -159,9 +159,8 @@ def test_scanned_gpt_spmd_pipeline_equals_the_single_device_step(schedule):
     plan = auto.plan(*args)
     check_plan(plan, schedule)
     # the stage's plan computes a parameter's gradient in another layout than autodiff of its
-    # forward would: GPipe's layers run their backward in the plan's layouts (layer_backward)
-    assert any(k[0] >= layer_scan.BACKWARD for k in plan.operand_specs) == (
-        schedule == "gpipe")
+    # forward would: the layers run their backward in the plan's layouts (layer_backward)
+    assert any(k[0] >= layer_scan.BACKWARD for k in plan.operand_specs)
     check_three_steps(step, args, auto, rtol=2e-5, atol=5e-6)
     check_program(auto, args, plan)
 

@@ -186,7 +186,7 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
         if backward_specs:
-            local = held_parameters(cut.scan, local, operand_specs)
+            local = held_parameters(cut.scan, local, operand_specs, backward_specs)
         first, last = s == 0, s == S - 1
 
         def pick(stack, m):
@@ -224,7 +224,10 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
             kept = [jax.lax.dynamic_index_in_dim(r, jnp.clip(mb, 0, M - 1) % K, keepdims=False)
                     for r in ring]
             ct = [jnp.where(last, a, b) for a, b in zip(dy, cot)]
-            _, back = float_vjp(layers, consts, kept, local)
+            # the parameters held again for this tick's backward: else XLA gives it the copy
+            # this tick's forward reads split, and gathers a weight at every layer
+            _, back = float_vjp(layers, consts, kept, held_parameters(
+                cut.scan, local, operand_specs, backward_specs) if backward_specs else local)
             d_consts, d_in, d_local = back(ct)
             g_local = [g if d is None else g + jnp.where(ok_b, d, 0)
                        for g, d in zip(g_local, d_local)]

@@ -64,6 +64,10 @@ def _held_bwd(spec, _, ct):
 forward_held.defvjp(_held_fwd, _held_bwd)
 
 
+def _held(x, spec):
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+
+
 def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
@@ -148,16 +152,14 @@ def with_backward(forward: Callable, specs: Mapping[tuple[int, int], Any],
 
     def bwd(leaves, ct):
         tree, zeros, held = trees[-1]
-        leaves = [jax.lax.with_sharding_constraint(x, held[r]) if r in held else x
-                  for r, x in enumerate(leaves)]
+        leaves = [_held(x, held.get(r)) for r, x in enumerate(leaves)]
         closed = jax.make_jaxpr(lambda r, c: jax.tree_util.tree_unflatten(tree, r)(c))(
             leaves, list(ct))
         number = numbered(closed)
 
         def operand(i, j, x):
             k = number[i]
-            spec = None if k is None else specs.get((k, j))
-            return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+            return _held(x, None if k is None else specs.get((k, j)))
 
         def result(i, r, y):
             return operand(i, -1 - r, y)

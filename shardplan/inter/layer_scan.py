@@ -314,7 +314,8 @@ def split_operand_specs(specs: Mapping[tuple[int, int], Any]) -> tuple[dict, dic
 
 
 def backward_stacked(backward_specs: Mapping | None) -> dict[int, Any]:
-    """{k: spec} of the stacked parameters among a layer's backward layouts (split_operand_specs)."""
+    """{k: spec} of the stacked parameters among a layer's backward layouts
+    (split_operand_specs)."""
     return {-1 - i: v for (i, _), v in (backward_specs or {}).items() if i < 0}
 
 
