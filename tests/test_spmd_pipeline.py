@@ -183,6 +183,27 @@ def test_the_forward_loop_gathers_the_activation_once_per_layer_and_tick():
         (c.count, c.shapes, c.op_name) for c in forward]
 
 
+def test_a_dot_gives_its_result_in_the_plans_layout():
+    """A layer whose matmul reads its activation split by rows and the weight whole, its
+    result split by rows (the plan's: a sequence-parallel layer), read split by columns next:
+    held so, the forward loop moves the result with all-to-alls as the plan does; with the
+    operands alone held XLA gathered the activation whole at every layer (GPT 6.7B on 8x8, 2
+    stages: 0.21 s of the forward, as much again in the backward)."""
+    step, args = scanned_mlp(width=64, batch=64)
+    mesh = stage_mesh()
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), args)
+    # the layer: 0 dot(h, kernel), 1 broadcast(bias), 2 add, 3 tanh
+    specs = {(0, 0): P("data", None), (0, 1): P(None, None), (0, -1): P("data", None),
+             (2, 0): P(None, "data")}
+    jitted = spmd.emit_spmd(step, mesh, S, M, shardings, schedule="gpipe",
+                            carry_specs=[P("data", None)], operand_specs=specs)
+    text = jitted.lower(*args).compile().as_text()
+    forward = [c for c in hlo_collectives.parse_collectives(text, 8)
+               if c.in_loop and "transpose" not in c.op_name and c.kind != "collective-permute"]
+    assert forward and all(c.kind == "all-to-all" for c in forward), [
+        (c.kind, c.count, c.shapes, c.op_name) for c in forward]
+
+
 def test_a_mesh_without_a_stage_axis_is_laid_out_stage_by_data(mesh8):
     step, args = scanned_mlp()
     auto = shardplan.auto(step, mesh=mesh8, hardware="cpu", pipeline=True, num_stages=S,

@@ -10,7 +10,7 @@ it split over its output dimension from the gathered activation and reduces noth
 layer runs as a custom_vjp: its forward holds its operands (forward only: `forward_held`), and
 its backward is the vjp of the layer traced as a jaxpr (residuals and cotangents its
 arguments) bound again equation by equation, its operands held in the layouts the plan's
-backward scan over layers reads them in (spmd_cost.body_backward_specs matches the two).
+backward scan over layers reads them in (spmd_specs.body_backward_specs matches the two).
 
 The backward's equations are numbered without the holds (`sharding_constraint`, and the
 custom_vjp calls of `forward_held` a remat'd layer recomputes): the same numbers whether the

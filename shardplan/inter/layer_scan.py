@@ -406,11 +406,12 @@ def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None
     other axes, or None): the layout every layer takes and gives its carry in, the intra-op
     plan's (left alone, XLA's propagation may split a micro-batch's hidden dimension instead
     of its rows and gather it at every layer). `operand_specs` ((equation index in the body,
-    operand index) -> PartitionSpec): the layouts the plan's layer reads its operands in (the
-    stage's intra-op plan applied inside the layer; spmd_cost.body_operand_specs).
+    operand index) -> PartitionSpec; result r under operand -1 - r): the layouts the plan's
+    layer reads its operands in (the stage's intra-op plan applied inside the layer;
+    spmd_specs.body_operand_specs).
     `backward_specs` ((equation of the layer's backward, operand) -> PartitionSpec): the
     layouts the plan's backward reads its operands in; given, the layer's backward is its own
-    jaxpr held in them (shardplan.inter.layer_backward; spmd_cost.body_backward_specs)."""
+    jaxpr held in them (shardplan.inter.layer_backward; spmd_specs.body_backward_specs)."""
     given, back = dict(operand_specs or {}), dict(backward_specs or {})
     operand = constrained(given, forward_only=bool(back))
     body, nk = micro_eqn.params["jaxpr"], micro_eqn.params["num_carry"]
@@ -418,8 +419,11 @@ def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None
     def hold(c):
         return held(c, carry_specs)
 
+    def result(i, r, y):
+        return operand(i, -1 - r, y)
+
     def apply(*ins):
-        return (interpret.eval_leaves(body, ins, operand) if given or back
+        return (interpret.eval_leaves(body, ins, operand, result) if given or back
                 else interpret.eval_jaxpr(body, ins))
 
     if back:  # the parameters (the scan's xs) kept for the backward as held before the loop
