@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from shardplan.cost.hardware import HardwareProfile
-from shardplan.inter import layer_scan, spmd_cost, spmd_specs
+from shardplan.inter import layer_scan, spmd_cost, spmd_specs, stage_body
 from shardplan.inter import schedule as schedule_mod
 from shardplan.inter.stages import Stage
 from shardplan.ir.graph import Role
@@ -94,7 +94,7 @@ def spmd_plan(intra: Plan, full: spmd_cost.Priced, stage: spmd_cost.Priced | Non
     plan's `constraints` are the specs of the scan's carries (by position) that the stage body
     holds them in, its `operand_specs` ((equation of the scan's body, operand) -> (spec,)) the
     layouts a layer reads its operands in (spmd_specs.body_operand_specs), and under negative
-    keys (layer_scan.post_key) those of the head and loss after the scan (1F1B, which runs
+    keys (stage_body.post_key) those of the head and loss after the scan (1F1B, which runs
     them every tick: spmd_specs.post_operand_specs of the micro-batch plan). The estimate: the
     stage program under the cost model with the schedule's ticks and the permutes
     (shardplan.inter.spmd_cost)."""
@@ -127,10 +127,10 @@ def spmd_plan(intra: Plan, full: spmd_cost.Priced, stage: spmd_cost.Priced | Non
     # as well or better: at GPT 6.7B 8x8 within 3%, on a small GPT 1.03x against 1.19x)
     head = (spmd_specs.post_operand_specs(stage, lt)
             if sched == "1f1b" and stage is not None else {})
-    inside.update({(layer_scan.post_key(i), j): spec for (i, j), spec in head.items()})
-    inside.update({(layer_scan.backward_key(i), j): spec for (i, j), spec in back.items()})
+    inside.update({(stage_body.post_key(i), j): spec for (i, j), spec in head.items()})
+    inside.update({(stage_body.backward_key(i), j): spec for (i, j), spec in back.items()})
     if back:  # where the backward keeps the stacked parameters (held so before the ticks)
-        inside.update({(layer_scan.stacked_key(k), 0): spec
+        inside.update({(stage_body.stacked_key(k), 0): spec
                        for k, spec in spmd_specs.stacked_specs(stage, lt).items()})
     cost = spmd_cost.spmd_cost(full, stage, lt, pmesh, hardware,
                                pipeline_order(mesh, shape, p_sizes), sched)

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import shardplan
 from shardplan.analysis import hlo_collectives
 from shardplan.emit import spmd
-from shardplan.inter import layer_scan
+from shardplan.inter import layer_scan, stage_body
 from shardplan.models import base, get_model, gpt
 from tests.conftest import auto_mesh
 from tests.test_inter_split import mlp_step
@@ -160,7 +160,7 @@ def test_scanned_gpt_spmd_pipeline_equals_the_single_device_step(schedule):
     check_plan(plan, schedule)
     # the stage's plan computes a parameter's gradient in another layout than autodiff of its
     # forward would: the layers run their backward in the plan's layouts (layer_backward)
-    assert any(k[0] >= layer_scan.BACKWARD for k in plan.operand_specs)
+    assert any(k[0] >= stage_body.BACKWARD for k in plan.operand_specs)
     check_three_steps(step, args, auto, rtol=2e-5, atol=5e-6)
     check_program(auto, args, plan)
 

@@ -2,7 +2,7 @@
 inside it.
 
 The SPMD pipeline runs the scan's layer body inside shard_map, its operands held in the layouts
-the stage's plan reads them in (layer_scan.stage_layers). Differentiated as it is, the body's
+the stage's plan reads them in (stage_body.stage_layers). Differentiated as it is, the body's
 backward runs in the forward's layouts: each constraint transposes to the same constraint on
 the cotangent, so a weight the forward reads whole gets its gradient all-reduced whole, every
 layer and tick (GPT 6.7B on 8x8, 4 stages: 47 GB per device per step), where the plan computes

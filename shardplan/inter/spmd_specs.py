@@ -2,12 +2,12 @@
 (shardplan.inter.spmd_cost.Priced, the step on one micro-batch) matched equation by equation
 to the loss's scan body (the layer), to the layer's backward jaxpr (shardplan.inter.
 layer_backward) and to the head after the scan, for the emitter to hold them
-(shardplan.inter.layer_scan.stage_layers, shardplan.emit.spmd)."""
+(shardplan.inter.stage_body.stage_layers, shardplan.emit.spmd)."""
 
 from __future__ import annotations
 
 from shardplan._compat import Literal
-from shardplan.inter import layer_backward, layer_scan
+from shardplan.inter import layer_backward, stage_body
 from shardplan.inter.layer_scan import LossTrace
 from shardplan.inter.spmd_cost import Priced, layer_loops
 from shardplan.ir import interpret
@@ -62,7 +62,7 @@ def stacked_specs(stage: Priced, lt: LossTrace) -> dict[int, ShardSpec]:
 def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], ShardSpec]:
     """The layouts the stage's intra-op plan reads each operand of the layer in: {(equation
     index in the loss's scan body, operand index): spec}, for the stage body to be held in
-    (shardplan.inter.layer_scan.stage_layers). The planned graph's forward scan body is the
+    (shardplan.inter.stage_body.stage_layers). The planned graph's forward scan body is the
     layer's equations with the residuals autodiff adds; the layer's equations are matched to
     its nodes in order by primitive and output shapes (an equation not found, or a call such as
     remat whose body the graph inlined, is left to XLA). Partial specs are left out. A
@@ -97,7 +97,7 @@ def body_backward_specs(stage: Priced, lt: LossTrace,
         return {}
     graph, (loop, nodes) = stage.graph, found
     micro_eqn = lt.micro.jaxpr.eqns[lt.micro_scan.index]
-    reads = layer_scan.parameter_read_specs(micro_eqn, forward)
+    reads = stage_body.parameter_read_specs(micro_eqn, forward)
     grads: dict[tuple, set] = {}
     for n in loop.leave:
         node = graph.nodes[n]
@@ -110,7 +110,7 @@ def body_backward_specs(stage: Priced, lt: LossTrace,
     if not any(grads.get(tuple(avals[k].shape), {spec.dims}) - {spec.dims}
                for k, spec in reads.items()):
         return {}
-    closed = layer_scan.layer_backward_jaxpr(micro_eqn)
+    closed = stage_body.layer_backward_jaxpr(micro_eqn)
     return _matched_specs(layer_backward.backward_eqns(closed), nodes, stage, results=True)
 
 
