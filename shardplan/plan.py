@@ -69,9 +69,11 @@ class Plan:
     operand_specs: Mapping[tuple[int, int], tuple[ShardSpec, ...]] = dataclasses.field(
         default_factory=dict)
     """(node, operand) -> the layouts the operand is moved through; for an SPMD pipeline,
-    (equation of the layer body, operand), and under negative keys (layer_scan.post_key) the
-    head's and loss's equations after the scan (1F1B), under keys from layer_scan.BACKWARD
-    the layer's backward's equations (layer_backward; a negative operand: a result)."""
+    (equation of the layer body, operand), and under negative keys (stage_body.post_key) the
+    head's and loss's equations after the scan (1F1B), under keys from stage_body.BACKWARD
+    the layer's backward's equations (layer_backward; a negative operand: a result), and
+    under keys from stage_body.STACKED the layout the backward keeps each stacked parameter
+    in."""
     memory_budget: float | None = None
     ops: tuple[OpRow, ...] = ()
     stages: tuple[Stage, ...] = ()

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from shardplan.cost.hardware import HardwareProfile
-from shardplan.inter import layer_scan, spmd_cost
+from shardplan.inter import layer_scan, spmd_cost, spmd_specs, stage_body
 from shardplan.inter import schedule as schedule_mod
 from shardplan.inter.stages import Stage
 from shardplan.ir.graph import Role
@@ -93,9 +93,9 @@ def spmd_plan(intra: Plan, full: spmd_cost.Priced, stage: spmd_cost.Priced | Non
     stages on their layer dimension, every other input laid out as `intra` lays it out; the
     plan's `constraints` are the specs of the scan's carries (by position) that the stage body
     holds them in, its `operand_specs` ((equation of the scan's body, operand) -> (spec,)) the
-    layouts a layer reads its operands in (spmd_cost.body_operand_specs), and under negative
-    keys (layer_scan.post_key) those of the head and loss after the scan (1F1B, which runs
-    them every tick: spmd_cost.post_operand_specs of the micro-batch plan). The estimate: the
+    layouts a layer reads its operands in (spmd_specs.body_operand_specs), and under negative
+    keys (stage_body.post_key) those of the head and loss after the scan (1F1B, which runs
+    them every tick: spmd_specs.post_operand_specs of the micro-batch plan). The estimate: the
     stage program under the cost model with the schedule's ticks and the permutes
     (shardplan.inter.spmd_cost)."""
     shape = shape_of(mesh)
@@ -115,19 +115,23 @@ def spmd_plan(intra: Plan, full: spmd_cost.Priced, stage: spmd_cost.Priced | Non
     ids = stage_devices(mesh, shape, p_names, p_sizes)
     pmesh = MeshShape(p_names, p_sizes)
     carries = spmd_cost.carry_specs(stage, lt) if stage is not None else None
-    inside = spmd_cost.body_operand_specs(stage, lt) if stage is not None else {}
-    # the layers' backward in the plan's layouts under GPipe (GPT 6.7B on 8x8, 4 stages: the
-    # compiled step 5.18 s against 6.16 s); 1F1B's measured worse with them (4 stages 11.2 s
-    # against 7.9 s, 8 stages 2.19 s against 1.82 s): its vjp per tick left to autodiff
-    back = (spmd_cost.body_backward_specs(stage, lt, inside)
-            if stage is not None and inside and sched == "gpipe" else {})
+    inside = spmd_specs.body_operand_specs(stage, lt) if stage is not None else {}
+    # the layers' backward in the plan's layouts, the stacked parameters kept where it slices
+    # them (GPT 6.7B with 8 layers on 8x8, 4 stages, compiled and priced: GPipe 1.48 s -> 1.09
+    # s, 1F1B, whose autodiff all-reduced whole weights' gradients per layer and tick, 2.30 s
+    # -> 1.51 s)
+    back = (spmd_specs.body_backward_specs(stage, lt, inside)
+            if stage is not None and inside else {})
     # 1F1B runs the head and loss every tick inside its loop: in the micro-batch plan's
     # layouts (GPipe runs them once at full batch outside, where XLA's own layouts measured
     # as well or better: at GPT 6.7B 8x8 within 3%, on a small GPT 1.03x against 1.19x)
-    head = (spmd_cost.post_operand_specs(stage, lt)
+    head = (spmd_specs.post_operand_specs(stage, lt)
             if sched == "1f1b" and stage is not None else {})
-    inside.update({(layer_scan.post_key(i), j): spec for (i, j), spec in head.items()})
-    inside.update({(layer_scan.backward_key(i), j): spec for (i, j), spec in back.items()})
+    inside.update({(stage_body.post_key(i), j): spec for (i, j), spec in head.items()})
+    inside.update({(stage_body.backward_key(i), j): spec for (i, j), spec in back.items()})
+    if back:  # where the backward keeps the stacked parameters (held so before the ticks)
+        inside.update({(stage_body.stacked_key(k), 0): spec
+                       for k, spec in spmd_specs.stacked_specs(stage, lt).items()})
     cost = spmd_cost.spmd_cost(full, stage, lt, pmesh, hardware,
                                pipeline_order(mesh, shape, p_sizes), sched)
     est = dataclasses.replace(cost.estimate, bubble_fraction=bubble)

@@ -96,3 +96,58 @@ def test_the_backward_in_the_plans_layouts_reduces_no_weight_gradient_and_equals
     for a, b, c in zip(got, want, reference):
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-5)
+
+
+def held_gathers_in_loops(compiled, shape) -> int:
+    """All-gathers of a `shape` value into a held layout (a sharding constraint) inside a
+    loop, times they run."""
+    return sum(c.count for c in hlo.analyze(compiled).collectives
+               if c.kind == "all-gather" and c.in_loop and shape in c.shapes
+               and c.op_name.endswith("sharding_constraint"))
+
+
+def test_a_weight_kept_for_the_backward_stays_in_the_layout_it_was_held_in():
+    """Layers scanned over a weight stack held whole before the loop, the backward reading
+    each weight both split (its recomputed forward) and whole (the input's cotangent): with
+    the weight residual held whole (residual_specs), the backward loop gathers no weight into
+    a held layout; left free, XLA keeps it split in the loop and gathers it at every layer."""
+    mesh = auto_mesh((8,), ("data",))
+    layers = 4
+    x = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (ROWS, HIDDEN)),
+                       NamedSharding(mesh, P("data", None)))
+    ws = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (layers, HIDDEN, HIDDEN)) / 8,
+                        NamedSharding(mesh, P(None, None, "data")))
+
+    def f(held):
+        @jax.checkpoint
+        def layer(h, w):
+            return [jnp.tanh(held(h, P(None, None)) @ held(w, P(None, "data")))]
+        return layer
+
+    args = [jax.ShapeDtypeStruct((ROWS, HIDDEN), jnp.float32),
+            jax.ShapeDtypeStruct((HIDDEN, HIDDEN), jnp.float32)]
+    eqns = layer_backward.backward_eqns(layer_backward.traced_backward(f(free), args))
+    specs = {}
+    for i, e in enumerate(eqns):
+        for j, v in enumerate(e.invars):
+            if e.primitive.name == "dot_general" and tuple(v.aval.shape) == (HIDDEN, HIDDEN):
+                # the recomputed forward reads w split, the input's cotangent whole
+                specs[(i, j)] = P(None, "data") if not specs else P(None, None)
+
+    def run(residual_specs):
+        layer = layer_backward.with_backward(f(layer_backward.forward_held), specs,
+                                             residual_specs)
+
+        def loss(x, ws):
+            ws = layer_backward.forward_held(ws, P(None, None, None))
+            h, _ = jax.lax.scan(lambda h, w: (layer(h, w)[0], None), x, ws)
+            return jnp.sum(h ** 2)
+
+        with jax.set_mesh(mesh):
+            g = jax.jit(jax.grad(loss, argnums=(0, 1)))
+            return g(x, ws), held_gathers_in_loops(g.lower(x, ws).compile(), (HIDDEN, HIDDEN))
+
+    (got, kept), (want, left) = run({1: P(None, None)}), run(None)
+    assert kept == 0 < left
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,7 @@ them to every stage. The backward pass is JAX's autodiff through the loop: each 
 transposes to the reverse permute, so the backward runs the same schedule mirrored (GPipe).
 Where the plan's backward lays out a parameter's gradient otherwise than autodiff of the
 forward's layouts would, a layer's backward runs as its own jaxpr in the plan's backward
-layouts (shardplan.inter.layer_backward; the plan's operand_specs under layer_scan.BACKWARD).
+layouts (shardplan.inter.layer_backward; the plan's operand_specs under stage_body.BACKWARD).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from shardplan import _compat
 from shardplan.emit import spmd_1f1b
 from shardplan.grad import intercepting
-from shardplan.inter import layer_scan
+from shardplan.inter import layer_scan, stage_body
 from shardplan.ir import interpret
 
 STAGE_AXIS = layer_scan.STAGE_AXIS
@@ -62,13 +62,13 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
     """The outputs of scan `eqn` on `ins`, computed by a GPipe pipeline over the mesh's stage
     axis. `micro_eqn` is the same scan traced on one micro-batch (its body runs per tick);
     `carry_specs`, `operand_specs`: the PartitionSpecs its layers hold the carry in and read
-    their operands in (layer_scan.stage_layers)."""
+    their operands in (stage_body.stage_layers)."""
     p = eqn.params
     S, M, L = num_stages, num_micro_batches, int(p["length"])
     nc, nk = p["num_consts"], p["num_carry"]
     consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + nk]), list(ins[nc + nk:])
     B = carry[0].shape[0]
-    layers = layer_scan.stage_layers(micro_eqn, L // S, carry_specs, operand_specs,
+    layers = stage_body.stage_layers(micro_eqn, L // S, carry_specs, operand_specs,
                                      backward_specs)
 
     carry_m = [c.reshape(M, B // M, *c.shape[1:]) for c in carry]
@@ -82,7 +82,7 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
     wide = layer_scan.stage_psum_dtypes(dtypes, mesh)
 
     def hold(values, lead=0):  # the activation in the plan's layout everywhere it goes
-        return layer_scan.held(values, carry_specs, lead)
+        return stage_body.held(values, carry_specs, lead)
 
     def stage(consts, carry_m, xs_s):
         consts = [x.astype(d) for x, d in zip(consts, dtypes)]
@@ -90,7 +90,7 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
         if backward_specs:
-            local = layer_scan.held_parameters(micro_eqn, local, operand_specs)
+            local = stage_body.held_parameters(micro_eqn, local, operand_specs, backward_specs)
         first, last = s == 0, s == S - 1
 
         def tick(t, loop):
@@ -114,7 +114,7 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
         state = hold([jnp.zeros_like(c[0]) for c in carry_m])
         outs = hold([jnp.zeros_like(c) for c in carry_m], 1)
         _, outs = jax.lax.fori_loop(0, ticks, tick, (state, outs))
-        outs = layer_scan.held_cotangent(outs, carry_specs, 1)
+        outs = stage_body.held_cotangent(outs, carry_specs, 1)
         return layer_scan.stage_psum(outs, mesh)  # nonzero on the last stage only
 
     # check_vma=False: with it on, jax 0.10.2 fails an internal assertion (ManualAxisType) in
@@ -150,7 +150,7 @@ class PipelinedGrad:
         if lt.obstacle is not None:
             raise ValueError(f"SPMD pipeline: {lt.obstacle}; plan with pipeline=False")
         diff_tree = jax.tree_util.tree_structure(tuple(args[a % len(args)] for a in nums))
-        body_specs, post_specs, back_specs = layer_scan.split_operand_specs(
+        body_specs, post_specs, back_specs = stage_body.split_operand_specs(
             dict(self.operand_specs))
         # post_specs: 1F1B's (its head runs in the loop); GPipe's runs as traced
         if self.schedule == "1f1b":

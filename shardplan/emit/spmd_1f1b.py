@@ -26,15 +26,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardplan import _compat
-from shardplan.inter.layer_scan import (
-    STAGE_AXIS,
-    LossTrace,
-    constrained,
-    held,
-    held_parameters,
-    stage_layers,
-    stage_psum,
-)
+from shardplan.inter.layer_scan import STAGE_AXIS, LossTrace, stage_psum
+from shardplan.inter.stage_body import constrained, held, held_parameters, stage_layers
 from shardplan.ir import interpret
 
 
@@ -112,7 +105,7 @@ class Cut:
 
     def run_post(self, y, args, rows, pre, specs: Mapping | None = None):
         """The loss's equations after the scan, reading their operands in `specs` ({(leaf
-        equation, operand): PartitionSpec}, the plan's; layer_scan.post_key)."""
+        equation, operand): PartitionSpec}, the plan's; stage_body.post_key)."""
         env = dict(self.consts)
         env.update(zip(self.scan_out, y))
         env.update(zip(self.post_args, args))
@@ -131,7 +124,7 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
     """(loss, gradient leaves of the flat positions `diff`) of the traced loss, by a 1F1B
     SPMD pipeline over the mesh's stage axis; `carry_specs`: the PartitionSpecs the layers
     hold the carry in, `operand_specs` the layouts a layer reads its operands in
-    (layer_scan.stage_layers), `post_specs` those the head and loss read theirs in (every
+    (stage_body.stage_layers), `post_specs` those the head and loss read theirs in (every
     tick, on one micro-batch: the micro-batch plan's)."""
     S, M = num_stages, num_micro_batches
     B = lt.scan.batch
@@ -186,7 +179,7 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
         s = jax.lax.axis_index(STAGE_AXIS)
         local = [x[0] for x in xs_s]
         if backward_specs:
-            local = held_parameters(cut.scan, local, operand_specs)
+            local = held_parameters(cut.scan, local, operand_specs, backward_specs)
         first, last = s == 0, s == S - 1
 
         def pick(stack, m):
@@ -224,7 +217,10 @@ def pipelined_loss_and_grad(lt: LossTrace, flat: Sequence, diff: Sequence[int], 
             kept = [jax.lax.dynamic_index_in_dim(r, jnp.clip(mb, 0, M - 1) % K, keepdims=False)
                     for r in ring]
             ct = [jnp.where(last, a, b) for a, b in zip(dy, cot)]
-            _, back = float_vjp(layers, consts, kept, local)
+            # the parameters held again for this tick's backward: else XLA gives it the copy
+            # this tick's forward reads split, and gathers a weight at every layer
+            _, back = float_vjp(layers, consts, kept, held_parameters(
+                cut.scan, local, operand_specs, backward_specs) if backward_specs else local)
             d_consts, d_in, d_local = back(ct)
             g_local = [g if d is None else g + jnp.where(ok_b, d, 0)
                        for g, d in zip(g_local, d_local)]

@@ -2,7 +2,7 @@
 inside it.
 
 The SPMD pipeline runs the scan's layer body inside shard_map, its operands held in the layouts
-the stage's plan reads them in (layer_scan.stage_layers). Differentiated as it is, the body's
+the stage's plan reads them in (stage_body.stage_layers). Differentiated as it is, the body's
 backward runs in the forward's layouts: each constraint transposes to the same constraint on
 the cotangent, so a weight the forward reads whole gets its gradient all-reduced whole, every
 layer and tick (GPT 6.7B on 8x8, 4 stages: 47 GB per device per step), where the plan computes
@@ -10,7 +10,7 @@ it split over its output dimension from the gathered activation and reduces noth
 layer runs as a custom_vjp: its forward holds its operands (forward only: `forward_held`), and
 its backward is the vjp of the layer traced as a jaxpr (residuals and cotangents its
 arguments) bound again equation by equation, its operands held in the layouts the plan's
-backward scan over layers reads them in (spmd_cost.body_backward_specs matches the two).
+backward scan over layers reads them in (spmd_specs.body_backward_specs matches the two).
 
 The backward's equations are numbered without the holds (`sharding_constraint`, and the
 custom_vjp calls of `forward_held` a remat'd layer recomputes): the same numbers whether the
@@ -64,6 +64,10 @@ def _held_bwd(spec, _, ct):
 forward_held.defvjp(_held_fwd, _held_bwd)
 
 
+def _held(x, spec):
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+
+
 def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
@@ -86,9 +90,8 @@ def backward_eqns(closed: ClosedJaxpr) -> list:
     return [e for e in interpret.leaf_eqns(closed.jaxpr) if not _unnumbered(e)]
 
 
-def _vjp_jaxpr(forward: Callable, args: Sequence) -> tuple[list, ClosedJaxpr, list, Any]:
-    """(forward(*args), the jaxpr of its pullback: (residuals..., cotangents...) -> the
-    cotangents of the floating args, the residuals, which args are floating)."""
+def _vjp(forward: Callable, args: Sequence) -> tuple[list, Any, list[bool]]:
+    """(forward(*args), its pullback in the floating args, which args are floating)."""
     floats = [_is_float(x) for x in args]
 
     def f(*fl):
@@ -96,6 +99,13 @@ def _vjp_jaxpr(forward: Callable, args: Sequence) -> tuple[list, ClosedJaxpr, li
         return forward(*[next(it) if k else x for k, x in zip(floats, args)])
 
     outs, vjp = jax.vjp(f, *[x for k, x in zip(floats, args) if k])
+    return outs, vjp, floats
+
+
+def _vjp_jaxpr(forward: Callable, args: Sequence) -> tuple[list, ClosedJaxpr, list, Any]:
+    """(forward(*args), the jaxpr of its pullback: (residuals..., cotangents...) -> the
+    cotangents of the floating args, the residuals, which args are floating)."""
+    outs, vjp, floats = _vjp(forward, args)
     leaves, tree = jax.tree_util.tree_flatten(vjp)
     closed = jax.make_jaxpr(lambda res, ct: jax.tree_util.tree_unflatten(tree, res)(ct))(
         leaves, outs)
@@ -116,39 +126,40 @@ def traced_backward(forward: Callable, avals: Sequence) -> ClosedJaxpr:
     return found[0]
 
 
-def with_backward(forward: Callable, specs: Mapping[tuple[int, int], Any]) -> Callable:
+def with_backward(forward: Callable, specs: Mapping[tuple[int, int], Any],
+                  residual_specs: Mapping[int, Any] | None = None) -> Callable:
     """`forward` (flat arguments -> list of outputs) whose backward is its vjp's jaxpr bound
     again with operand j of backward equation i (numbered) held in specs[(i, j)], its result
-    r in specs[(i, -1 - r)]."""
+    r in specs[(i, -1 - r)]; an argument k the backward keeps as a residual (a weight) held
+    there in residual_specs[k], the layout it was read in before the loop: left free, XLA
+    lays the backward loop's copy out as one reader wants it and gathers it for another at
+    every iteration (GPT 6.7B on 8x8, 4 stages: fc1's and qkv's weights, per layer and tick)."""
     trees = []  # the pullback's structure, from the forward's trace (static: one shape)
+    residual_specs = dict(residual_specs or {})
 
     @jax.custom_vjp
     def layer(*args):
         return forward(*args)
 
     def fwd(*args):
-        floats = [_is_float(x) for x in args]
-
-        def f(*fl):
-            it = iter(fl)
-            return forward(*[next(it) if k else x for k, x in zip(floats, args)])
-
-        outs, vjp = jax.vjp(f, *[x for k, x in zip(floats, args) if k])
+        outs, vjp, floats = _vjp(forward, args)
         leaves, tree = jax.tree_util.tree_flatten(vjp)
         zeros = [None if k else np.shape(x) for k, x in zip(floats, args)]
-        trees.append((tree, zeros))
+        held = {r: residual_specs[k] for r, leaf in enumerate(leaves)
+                for k, x in enumerate(args) if k in residual_specs and leaf is x}
+        trees.append((tree, zeros, held))
         return outs, leaves
 
     def bwd(leaves, ct):
-        tree, zeros = trees[-1]
+        tree, zeros, held = trees[-1]
+        leaves = [_held(x, held.get(r)) for r, x in enumerate(leaves)]
         closed = jax.make_jaxpr(lambda r, c: jax.tree_util.tree_unflatten(tree, r)(c))(
             leaves, list(ct))
         number = numbered(closed)
 
         def operand(i, j, x):
             k = number[i]
-            spec = None if k is None else specs.get((k, j))
-            return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+            return _held(x, None if k is None else specs.get((k, j)))
 
         def result(i, r, y):
             return operand(i, -1 - r, y)

@@ -46,10 +46,8 @@ from shardplan._compat import Literal
 from shardplan.cost import ring
 from shardplan.cost.estimate import Estimate
 from shardplan.cost.hardware import HardwareProfile
-from shardplan.inter import layer_backward, layer_scan
 from shardplan.inter.layer_scan import STAGE_AXIS, LossTrace
 from shardplan.intra.planner import IntraPlan
-from shardplan.ir import interpret
 from shardplan.ir.graph import Graph
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import fmt_bytes, fmt_seconds
@@ -164,12 +162,13 @@ class _Parts:
     carry_bytes: float
     resid_bytes: float
     carries: tuple[ShardSpec, ...]
-    partial_grads: tuple[tuple[float, tuple[str, ...], bool], ...] = ()
-    """(bytes per device, mesh axes, whether the stacked result is split over them) of each
-    per-layer value the backward scan stacks as a partial sum (a weight's gradient over split
-    rows): the plan reduces it once after the loop, the pipeline's accumulator at every tick
-    (a reduce-scatter where the result is split and the target forms them, else an
-    all-reduce)."""
+    partial_grads: tuple[tuple[float, tuple[str, ...], bool, bool], ...] = ()
+    """(bytes per device, mesh axes, whether the stacked result is split over them, whether
+    the stack holds it partial) of each per-layer value the backward scan stacks from a
+    partial sum (a weight's gradient over split rows): held partial, the plan reduces it once
+    after the loop and the pipeline's accumulator at every tick (a reduce-scatter where the
+    result is split and the target forms them, else an all-reduce); else the loop's rows
+    reduce it at every layer (B)."""
 
 
 def node_flops(p: Priced, nodes) -> float:
@@ -219,10 +218,13 @@ def _parts(p: Priced, lt: LossTrace, batch: int) -> _Parts:
             node = graph.nodes[n]
             spec = intra.value_specs.get(node.inputs[0]) if node.inputs else None
             if node.primitive == "loop_stack" and spec is not None and spec.partial:
+                strategy = intra.node_strategies.get(n)
+                read = strategy.in_specs[0] if strategy and strategy.in_specs else spec
                 out = intra.value_specs.get(node.outputs[0])
                 split = out is not None and any(a in spec.partial for d in out.dims for a in d)
                 partial.append((graph.values[node.inputs[0]].nbytes
-                                / spec.num_shards(intra.mesh), tuple(spec.partial), split))
+                                / spec.num_shards(intra.mesh), tuple(spec.partial), split,
+                                read is None or bool(read.partial)))
     return _Parts(fwd, bwd, cost(n.id for n in graph.nodes if n.loop in fwd),
                   cost(n.id for n in graph.nodes if n.loop in bwd), cost(post), carry_bytes,
                   resid, tuple(carries), tuple(partial))
@@ -233,120 +235,6 @@ def carry_specs(stage: Priced, lt: LossTrace) -> tuple[ShardSpec, ...] | None:
     layers), for the stage body to be held in (None: no scan over layers found)."""
     parts = _parts(stage, lt, lt.micro_scan.batch)
     return parts.carries or None
-
-
-def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], ShardSpec]:
-    """The layouts the stage's intra-op plan reads each operand of the layer in: {(equation
-    index in the loss's scan body, operand index): spec}, for the stage body to be held in
-    (shardplan.inter.layer_scan.stage_layers). The planned graph's forward scan body is the
-    layer's equations with the residuals autodiff adds; the layer's equations are matched to
-    its nodes in order by primitive and output shapes (an equation not found, or a call such as
-    remat whose body the graph inlined, is left to XLA). Partial specs are left out."""
-    fwd, _ = layer_loops(stage.graph, lt)
-    graph = stage.graph
-    outer = [lp for lp in sorted(fwd) if graph.loops[lp].parent not in fwd]
-    if not outer:
-        return {}
-    loop = graph.loops[outer[0]]
-    pseudo = set(loop.enter) | set(loop.leave)
-    nodes = [graph.nodes[n] for n in loop.bodies[-1].nodes
-             if graph.nodes[n].loop == loop.id and n not in pseudo]
-    body = lt.micro.jaxpr.eqns[lt.micro_scan.index].params["jaxpr"].jaxpr
-    return _matched_specs(interpret.leaf_eqns(body), nodes, stage)
-
-
-def body_backward_specs(stage: Priced, lt: LossTrace,
-                        forward: dict[tuple[int, int], ShardSpec]
-                        ) -> dict[tuple[int, int], ShardSpec]:
-    """The layouts the stage's intra-op plan reads each operand of the layer's backward in:
-    {(equation of the layer's backward jaxpr, layer_backward's numbering; operand; results
-    under negative operands): spec}, matched in order to the planned graph's backward scan
-    over layers (as body_operand_specs), for the pipeline's layers to run their backward as
-    the plan does (shardplan.inter.layer_backward). Empty where autodiff of the forward in
-    its layouts (`forward`, body_operand_specs) gives every layer parameter's gradient in
-    the layout the plan's backward gives it: a constraint transposes to the same constraint
-    on the cotangent, so a weight the forward reads whole gets its gradient reduced whole
-    where the plan computes it split (GPT 6.7B on 8x8, 4 stages: a 576 MB all-reduce per
-    layer and tick)."""
-    _, bwd = layer_loops(stage.graph, lt)
-    graph = stage.graph
-    outer = [lp for lp in sorted(bwd) if graph.loops[lp].parent not in bwd]
-    if not outer:
-        return {}
-    loop = graph.loops[outer[0]]
-    micro_eqn = lt.micro.jaxpr.eqns[lt.micro_scan.index]
-    reads = layer_scan.parameter_read_specs(micro_eqn, forward)
-    grads: dict[tuple, set] = {}
-    for n in loop.leave:
-        node = graph.nodes[n]
-        spec = stage.intra.value_specs.get(node.inputs[0]) if node.inputs else None
-        if node.primitive == "loop_stack" and spec is not None and not spec.partial:
-            grads.setdefault(graph.values[node.inputs[0]].shape, set()).add(spec.dims)
-    first = len(micro_eqn.params["jaxpr"].in_avals) - (
-        len(micro_eqn.invars) - micro_eqn.params["num_consts"] - micro_eqn.params["num_carry"])
-    avals = micro_eqn.params["jaxpr"].in_avals[first:]
-    if not any(grads.get(tuple(avals[k].shape), {spec.dims}) - {spec.dims}
-               for k, spec in reads.items()):
-        return {}
-    pseudo = set(loop.enter) | set(loop.leave)
-    nodes = [graph.nodes[n] for n in loop.bodies[-1].nodes
-             if graph.nodes[n].loop == loop.id and n not in pseudo]
-    closed = layer_scan.layer_backward_jaxpr(micro_eqn)
-    return _matched_specs(layer_backward.backward_eqns(closed), nodes, stage, results=True)
-
-
-def post_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], ShardSpec]:
-    """The layouts the micro-batch step's plan `stage` reads each operand of the loss's
-    equations after the scan over layers in (the head and loss, which 1F1B runs every tick):
-    {(leaf equation index among them, operand index): spec}, matched in order to the plan's
-    top-level nodes after its forward scan over layers (as body_operand_specs)."""
-    fwd, _ = layer_loops(stage.graph, lt)
-    graph = stage.graph
-    outer = [lp for lp in sorted(fwd) if graph.loops[lp].parent not in fwd]
-    if not outer:
-        return {}
-    after = max(graph.loops[outer[0]].leave)
-    nodes = [n for n in graph.nodes if n.loop is None and n.id > after]
-    eqns = lt.micro.jaxpr.eqns[lt.micro_scan.index + 1:]
-    return _matched_specs(interpret.leaf_eqns(eqns), nodes, stage)
-
-
-def _matched_specs(eqns, nodes, p: Priced, results: bool = False
-                   ) -> dict[tuple[int, int], ShardSpec]:
-    """{(i, j): spec}: equation i of `eqns` matched to the next of `nodes` (in order) with its
-    primitive and output shapes, its operand j read in that node's strategy's spec; with
-    `results`, its result k given in it under (i, -1 - k) (partial specs left out)."""
-    graph, intra = p.graph, p.intra
-    out, at = {}, 0
-    for i, eqn in enumerate(eqns):
-        shapes = [tuple(v.aval.shape) for v in eqn.outvars]
-        # the node's inputs: every operand, or (lift drops literals) the non-literal ones
-        operands = [j for j, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
-        for k in range(at, len(nodes)):
-            node = nodes[k]
-            if (node.primitive != eqn.primitive.name
-                    or [graph.values[v].shape for v in node.outputs] != shapes):
-                continue
-            if len(node.inputs) == len(eqn.invars):
-                positions = list(range(len(eqn.invars)))
-            elif len(node.inputs) == len(operands):
-                positions = operands
-            else:
-                continue
-            strategy = intra.node_strategies.get(node.id)
-            for j, spec in zip(positions, strategy.in_specs if strategy else ()):
-                v = eqn.invars[j]
-                if (not isinstance(v, Literal) and spec is not None and not spec.partial
-                        and spec.dims and len(spec.dims) == len(v.aval.shape)):
-                    out[(i, j)] = spec
-            for r, (v, spec) in enumerate(zip(eqn.outvars, strategy.out_specs if strategy and
-                                              results else ())):
-                if (spec is not None and not spec.partial and spec.dims
-                        and len(spec.dims) == len(v.aval.shape)):
-                    out[(i, -1 - r)] = spec
-            at = k + 1
-            break
-    return out
 
 
 def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape,
@@ -397,15 +285,26 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
         kind = "reduce-scatter" if split and hw.forms_reduce_scatter else "all-reduce"
         return ring.collective_time(kind, b, axes, mesh, links)
 
-    per_layer = math.fsum(reduce(*g) for g in small.partial_grads)
+    # (one the stack reads reduced is reduced at every layer in B already: GPT 6.7B on 8x8,
+    # 2 stages, counted twice, 0.66 s of the estimate's 1.65 s)
+    per_layer = math.fsum(reduce(b, axes, split)
+                          for b, axes, split, held in small.partial_grads if held)
     grad_reduce = ticks * per_layer * lt.scan.length / S
-    # the full-batch plan (`rest`) reduces its partial ones once, after its backward scan;
-    # the pipeline does not (its accumulator is reduced at every tick, above or in B)
+    # the full-batch plan (`rest`) reduces its partial ones held in the stack once, after its
+    # backward scan; the pipeline does not (its accumulator is reduced at every tick, above)
     once = math.fsum(reduce(b * lt.scan.length, axes, split)
-                     for b, axes, split in big.partial_grads)
-    rest_k = max(rest_k - once, 0.0)
+                     for b, axes, split, held in big.partial_grads if held)
     sub = full.intra.mesh
     stacked = set(lt.scan.xs_shapes)
+    # the updated state moved into its own layout (the plan's output edges, in `rest` and in
+    # no op row): a stage moves 1/S of the stacked layers' (GPT 6.7B with 8 layers on 8x8, 2
+    # stages: 0.25 s for the whole stack, that a partial gradient counted once cancelled)
+    outs = {j for j, v in enumerate(full.graph.outputs) if full.graph.values[v].shape in stacked}
+    written = math.fsum(ring.collective_time(c.kind, c.nbytes, c.axes, mesh, links)
+                        for where, c in full.intra.comms
+                        if where.startswith("output ")
+                        and int(where.split()[1].rstrip(":")) in outs)
+    rest_k = max(rest_k - once - written * (1 - 1 / S), 0.0)
     stacked_state = math.fsum(
         full.graph.values[v].nbytes / s.num_shards(sub)
         for v, s in zip(full.graph.inputs, full.intra.input_specs)
