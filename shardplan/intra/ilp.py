@@ -19,7 +19,8 @@ from shardplan.units import Deadline, fmt_bytes
 
 class Copy(NamedTuple):
     """A buffer that exists only when two members' layouts of one value differ (a reshard's
-    copy): bytes_a[k] + bytes_b[l] when key_a[k] != key_b[l], else nothing. Keys name layouts;
+    copy): bytes_a[k] + bytes_b[l] when key_a[k] != key_b[l], else nothing; never less than
+    nothing (a copy that grows one buffer to another's size: bytes_a < 0). Keys name layouts;
     equal keys have equal bytes."""
 
     a: int
@@ -30,7 +31,9 @@ class Copy(NamedTuple):
     bytes_b: np.ndarray
 
     def size(self, k: int, l: int) -> float:
-        return 0.0 if self.key_a[k] == self.key_b[l] else float(self.bytes_a[k] + self.bytes_b[l])
+        if self.key_a[k] == self.key_b[l]:
+            return 0.0
+        return max(0.0, float(self.bytes_a[k] + self.bytes_b[l]))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

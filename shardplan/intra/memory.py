@@ -227,7 +227,12 @@ class MemoryModel:
         # tightest plan compiled to 2.2x the estimate without this, 0.93x with it; ViT 1.13x
         # -> 1.00x). Only on a mesh with one useful axis: on 2x4 the later layout is mostly a
         # slice of the first one's gathered copy, which XLA slices at the reader (hoisted, a
-        # GPT's estimate was 1.36x its compiled peak).
+        # GPT's estimate was 1.36x its compiled peak). On 2x4 the other way round holds too:
+        # when the later layout is the larger (a weight gathered on one axis for the forward
+        # dot and whole for the backward one), XLA gathers it whole at the first reader and
+        # slices the first layout from it: the copy held from the first layer is the larger
+        # of the two (a GPT on 2x4 held every kernel whole from its forward dot to its
+        # backward one: estimate 0.86x its compiled peak counting the forward's half).
         hoist = len(p.mesh.useful_axes()) == 1
         for v in sorted(readers):
             src, out_idx = p.source[v]
@@ -261,12 +266,15 @@ class MemoryModel:
                     # read the same layout (theirs start at their reader: never hoisted twice)
                     start = min(at, first)
                     lead = (rm, dsts)
-                elif (hoist and src < p.num_inputs and lead is not None and first < at
+                elif (src < p.num_inputs and lead is not None and first < at
                       and g.nodes[m - p.num_inputs].primitive not in FUSED):
-                    # counted while the two layouts differ, from the first layer to the reader
+                    # counted while the two layouts differ, from the first layer to the reader:
+                    # whole (one useful axis), or what it adds to the first reader's (else)
                     kl, km = _keys(lead[1], dsts)
-                    self.copies.append(Copy(lead[0], kl, np.zeros(len(kl)), rm, km, nbytes,
-                                            first, at - 1, f"hoisted reshard of v{v} for {what}"))
+                    grows = (np.zeros(len(kl)) if hoist
+                             else -nbytes_for(g.values[v], lead[1]))
+                    self.copies.append(Copy(lead[0], kl, grows, rm, km, nbytes, first, at - 1,
+                                            f"hoisted reshard of v{v} for {what}"))
                 self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start, last,
                                         f"reshard of v{v} for {what}"))
                 if primitives.info(g.nodes[m - p.num_inputs].primitive).leader:
@@ -324,7 +332,8 @@ class MemoryModel:
         for j, c in enumerate(self.copies):
             ia, ib = index[c.a], index[c.b]
             if ia == ib:
-                diag[j] = (ia, np.where(c.key_a != c.key_b, c.bytes_a + c.bytes_b, 0.0))
+                diag[j] = (ia, np.where(c.key_a != c.key_b,
+                                        np.maximum(c.bytes_a + c.bytes_b, 0.0), 0.0))
             else:
                 copy_id[j] = len(copies)
                 copies.append(ilp.Copy(ia, c.key_a, c.bytes_a, ib, c.key_b, c.bytes_b))
@@ -351,7 +360,7 @@ class MemoryModel:
         for c in self.copies:
             ka, kb = root_choice[c.a], root_choice[c.b]
             if c.key_a[ka] != c.key_b[kb]:
-                items.append((c.start, c.end, float(c.bytes_a[ka] + c.bytes_b[kb])))
+                items.append((c.start, c.end, max(0.0, float(c.bytes_a[ka] + c.bytes_b[kb]))))
         if not items:
             return 0.0
         starts, ends, sizes = (np.array(x) for x in zip(*items))
