@@ -297,13 +297,15 @@ def min_memory_bound(inp: SolverInput) -> tuple[float, bool]:
 
 def least_memory(inp: SolverInput) -> tuple[float, bool, float]:
     """min_memory_bound's (value, proven), and the least peak of a choice the search found
-    (every row evaluated: a plan that needs this much exists; inf if none was found)."""
+    (every row evaluated: a plan that needs this much exists)."""
     if not inp.memory_rows and not inp.memory_base:
         return 0.0, True, 0.0
     lazy = len(inp.memory_rows) > ROWS_PER_ROUND
     active = _first_rows(inp) if lazy else set(range(len(inp.memory_rows)))
     floor = _simple_bound(inp)
-    found = math.inf
+    # the greedy choices (the last weighs memory above all) bound the least from above even
+    # when the solver finds nothing in its time
+    found = min(evaluate(inp, c)[1] for c in greedy_choices(inp))
     while True:
         value, exact, choice = _min_rows(_restrict(inp, active) if lazy else inp)
         if choice is None:
