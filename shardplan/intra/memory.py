@@ -154,7 +154,12 @@ class MemoryModel:
                         self.buffers.append(Buffer(root[m], nbytes, pos[node.id], pos[node.id],
                                                   f"{node.primitive} {node.name} counters"))
                     start = pos[node.id]
-                    if node.primitive == "broadcast_in_dim" and v in static:
+                    if (node.primitive == "broadcast_in_dim" and v in static
+                            or node.primitive in liveness.STACKED):
+                        # a scan's stacked ys too: XLA writes them into a buffer of every
+                        # row that its loop carries, made (zeros, from no input) before the
+                        # first layer (a rematerialized MLP's backward held both weight
+                        # gradients' stacks through its forward loop)
                         start = min(start, self.first)
                     self.buffers.append(Buffer(root[m], nbytes, start,
                                                last[v], f"{node.primitive} {node.name}"))
