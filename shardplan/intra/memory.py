@@ -14,7 +14,10 @@ It follows what `compiled.memory_analysis()` counts (argument + output + temp - 
   ranges (--xla_dump_to): a weight gathered for a dot, and a broadcast of what only the inputs
   feed, start before the first layer (its scheduler hoists them); a broadcast read by several
   ops is written once and kept; an elementwise op whose operands are both smaller than its
-  result (a norm's 1/std times its scale) is written as its two broadcast operands.
+  result (a norm's 1/std times its scale) is written as its two broadcast operands; a scan's
+  stacked ys are made before the first layer; a weight that a later dot reads in a larger
+  layout than the first one's is held in the larger from the first layer; gradients reduced
+  by XLA's combined all-reduce are held until it runs, and its results are live with them.
 What remains (XLA's heap gaps, the rest of its schedule) is the margin (MARGIN).
 """
 
