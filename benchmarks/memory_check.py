@@ -19,6 +19,7 @@ gaps.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -73,16 +74,19 @@ def data_parallel_peak(step, mesh) -> int:
 
 def reported_minimum(step, mesh) -> float:
     """The least memory the planner says any plan needs (InfeasibleMemory.min_bytes under a
-    1-byte budget), with time to prove it."""
+    1-byte budget), with time to prove it. Unproven, the least a plan it found needs
+    (InfeasibleMemory.found_bytes): a budget between the lower bound and that may fit no plan
+    (the search then ends in SearchTimeout, rightly: it can neither find one nor prove none)."""
     import shardplan
 
     try:
         _auto(step, mesh, 1, time_limit=30.0).plan(*step.args)
     except shardplan.InfeasibleMemory as e:
-        if not e.exact:
-            print(f"({step.name}: the least memory was not proven, {e.min_bytes:.0f} is a "
-                  "lower bound)", file=sys.stderr)
-        return e.min_bytes
+        if e.exact:
+            return e.min_bytes
+        print(f"({step.name}: the least memory was not proven: between {e.min_bytes:.0f} and "
+              f"{e.found_bytes:.0f}, which a plan found needs)", file=sys.stderr)
+        return e.found_bytes if math.isfinite(e.found_bytes) else e.min_bytes
     raise AssertionError("a 1-byte budget fitted")
 
 

@@ -69,6 +69,25 @@ def test_a_copy_counts_only_when_the_layouts_differ():
     assert c.size(0, 0) == 4.0 and c.size(1, 1) == 8.0
 
 
+def test_a_copy_that_grows_a_buffer_is_never_below_nothing():
+    """A later reader's larger layout held from the first reader on adds what it has over the
+    first reader's copy (bytes_a < 0), and nothing where it is smaller."""
+    c = Copy(0, np.array([0, 1]), np.array([-8.0, -2.0]), 1, np.array([1, 2]),
+             np.array([4.0, 8.0]))
+    assert c.size(0, 0) == 0.0  # 4 bytes where 8 are held already
+    assert c.size(0, 1) == 0.0 and c.size(1, 1) == 6.0 and c.size(1, 0) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_least_memory_found_is_a_plan_and_bounds_the_least(seed):
+    inp = memory_problem(seed)
+    value, exact, found = ilp.least_memory(inp)
+    assert exact and found == pytest.approx(value)
+    e = InfeasibleMemory(1.0, 10.0, exact=False, found_bytes=12.0)
+    assert e.found_bytes == 12.0 and "a plan that needs 12 B was found" in str(e), str(e)
+    assert InfeasibleMemory(1.0, 10.0).found_bytes == 10.0
+
+
 def test_an_expired_deadline_returns_a_fallback_that_fits_at_once():
     inp = memory_problem(1, n=30, rows=20)
     inp = SolverInput(inp.node_costs, inp.edges, inp.memory_rows, 1e9, time_limit_s=60,
@@ -209,7 +228,8 @@ def test_peak_sweep_equals_the_rows_at_every_point():
             for j in cps:
                 c = model.copies[j]
                 if c.key_a[choice[c.a]] != c.key_b[choice[c.b]]:
-                    total += float(c.bytes_a[choice[c.a]] + c.bytes_b[choice[c.b]])
+                    # a copy that grows a buffer (bytes_a < 0) is never below nothing
+                    total += max(0.0, float(c.bytes_a[choice[c.a]] + c.bytes_b[choice[c.b]]))
             at_points = max(at_points, total)
         assert at_points > 0
         assert model.peak(choice) == pytest.approx(at_points, rel=1e-12)  # margin: floats

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -19,7 +20,8 @@ from shardplan.units import Deadline, fmt_bytes
 
 class Copy(NamedTuple):
     """A buffer that exists only when two members' layouts of one value differ (a reshard's
-    copy): bytes_a[k] + bytes_b[l] when key_a[k] != key_b[l], else nothing. Keys name layouts;
+    copy): bytes_a[k] + bytes_b[l] when key_a[k] != key_b[l], else nothing; never less than
+    nothing (a copy that grows one buffer to another's size: bytes_a < 0). Keys name layouts;
     equal keys have equal bytes."""
 
     a: int
@@ -30,7 +32,9 @@ class Copy(NamedTuple):
     bytes_b: np.ndarray
 
     def size(self, k: int, l: int) -> float:
-        return 0.0 if self.key_a[k] == self.key_b[l] else float(self.bytes_a[k] + self.bytes_b[l])
+        if self.key_a[k] == self.key_b[l]:
+            return 0.0
+        return max(0.0, float(self.bytes_a[k] + self.bytes_b[l]))
 
 
 class Implication(NamedTuple):
@@ -113,14 +117,20 @@ class Solution:
 class InfeasibleMemory(Exception):
     """No strategy choice fits the memory budget (proven); `min_bytes` is the least any choice
     needs, or, when `exact` is False, a lower bound of it (the search for the least ran out of
-    time: every plan needs more than the budget, and at least min_bytes)."""
+    time: every plan needs more than the budget, and at least min_bytes); `found_bytes` is
+    the least a plan found by that search needs (nan if none was: the least lies in
+    [min_bytes, found_bytes])."""
 
-    def __init__(self, budget: float, min_bytes: float, exact: bool = True, margin: float = 0.0):
+    def __init__(self, budget: float, min_bytes: float, exact: bool = True, margin: float = 0.0,
+                 found_bytes: float = float("nan")):
         self.budget, self.min_bytes, self.exact = budget, min_bytes, exact
+        self.found_bytes = min_bytes if exact else found_bytes
+        found = ("" if exact or not math.isfinite(found_bytes)
+                 else f", and a plan that needs {fmt_bytes(found_bytes)} was found")
         need = (f"the smallest any plan needs is {fmt_bytes(min_bytes)} per device" if exact
                 else f"every plan needs more than the budget (at least "
                      f"{fmt_bytes(max(min_bytes, budget))} per device; the search for the "
-                     "least ran out of time)")
+                     f"least ran out of time{found})")
         if margin:
             need += f" (the memory model's estimate, its activations with a margin of {margin:.0%})"
         super().__init__(
@@ -223,7 +233,8 @@ def solve(inp: SolverInput) -> Solution:
         try:
             found = _solve_rows(sub)
         except _Infeasible:
-            raise InfeasibleMemory(budget, *min_memory_bound(inp)) from None
+            value, exact, least = least_memory(inp)
+            raise InfeasibleMemory(budget, value, exact, found_bytes=least) from None
         if found is None:
             break
         choice = reduced.expand(found.choice)
@@ -308,23 +319,34 @@ def _solve_rows(inp: SolverInput) -> Solution | None:
 def min_memory_bound(inp: SolverInput) -> tuple[float, bool]:
     """(the smallest peak memory any choice reaches, True) or, when the search for it ran out
     of time, (a lower bound of it, False). Rows are added lazily, as in solve."""
+    value, exact, _ = least_memory(inp)
+    return value, exact
+
+
+def least_memory(inp: SolverInput) -> tuple[float, bool, float]:
+    """min_memory_bound's (value, proven), and the least peak of a choice the search found
+    (every row evaluated: a plan that needs this much exists)."""
     if not inp.memory_rows and not inp.memory_base:
-        return 0.0, True
+        return 0.0, True, 0.0
     lazy = len(inp.memory_rows) > ROWS_PER_ROUND
     active = _first_rows(inp) if lazy else set(range(len(inp.memory_rows)))
     floor = _simple_bound(inp)
+    # the greedy choices (the last weighs memory above all) bound the least from above even
+    # when the solver finds nothing in its time
+    found = min(evaluate(inp, c)[1] for c in greedy_choices(inp))
     while True:
         value, exact, choice = _min_rows(_restrict(inp, active) if lazy else inp)
         if choice is None:
-            return max(value, floor), False
+            return max(value, floor), False, found
         peak = evaluate(inp, choice)[1]
+        found = min(found, peak)
         over = _top_rows(inp, choice, value + 0.5, active) if lazy else []
         if not over:
             # Optimal over a subset of the rows and fitting them all: optimal.
-            return (peak, True) if exact else (max(value, floor), False)
+            return (peak, True, peak) if exact else (max(value, floor), False, found)
         active |= set(over)
         if inp.remaining() <= 0:
-            return max(value, floor), False
+            return max(value, floor), False, found
 
 
 def _simple_bound(inp: SolverInput) -> float:

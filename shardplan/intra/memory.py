@@ -14,19 +14,22 @@ It follows what `compiled.memory_analysis()` counts (argument + output + temp - 
   ranges (--xla_dump_to): a weight gathered for a dot, and a broadcast of what only the inputs
   feed, start before the first layer (its scheduler hoists them); a broadcast read by several
   ops is written once and kept; an elementwise op whose operands are both smaller than its
-  result (a norm's 1/std times its scale) is written as its two broadcast operands.
+  result (a norm's 1/std times its scale) is written as its two broadcast operands; a scan's
+  stacked ys are made before the first layer; a weight that a later dot reads in a larger
+  layout than the first one's is held in the larger from the first layer; gradients reduced
+  by XLA's combined all-reduce are held until it runs, and its results are live with them.
 What remains (XLA's heap gaps, the rest of its schedule) is the margin (MARGIN).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 
-from shardplan.cost.model import FUSED
-from shardplan.intra import ilp, liveness
+from shardplan.cost.model import CONTRACTIONS, FUSED
+from shardplan.intra import combiner, ilp, layouts, liveness
 from shardplan.intra.liveness import GENERATORS, lifetimes, schedule
 from shardplan.ir import primitives
 
@@ -72,14 +75,6 @@ class Copy:
     start: int
     end: int
     what: str = ""
-
-
-def _keys(a: Sequence, b: Sequence) -> tuple[np.ndarray, np.ndarray]:
-    """Equal specs -> equal ints, across both sides."""
-    index: dict = {}  # specs are frozen dataclasses: equal specs hash equal
-    ka = np.array([index.setdefault(s, len(index)) for s in a])
-    kb = np.array([index.setdefault(s, len(index)) for s in b])
-    return ka, kb
 
 
 class MemoryModel:
@@ -160,7 +155,12 @@ class MemoryModel:
                         self.buffers.append(Buffer(root[m], nbytes, pos[node.id], pos[node.id],
                                                   f"{node.primitive} {node.name} counters"))
                     start = pos[node.id]
-                    if node.primitive == "broadcast_in_dim" and v in static:
+                    if (node.primitive == "broadcast_in_dim" and v in static
+                            or node.primitive in liveness.STACKED):
+                        # a scan's stacked ys too: XLA writes them into a buffer of every
+                        # row that its loop carries, made (zeros, from no input) before the
+                        # first layer (a rematerialized MLP's backward held both weight
+                        # gradients' stacks through its forward loop)
                         start = min(start, self.first)
                     self.buffers.append(Buffer(root[m], nbytes, start,
                                                last[v], f"{node.primitive} {node.name}"))
@@ -173,12 +173,54 @@ class MemoryModel:
                         self.buffers.append(Buffer(root[t], sizes(g.inputs[t], t, 0), 0, end,
                                                   f"output tied to undonated input {t}"))
                     # Computed in another layout than its input's, the result is a temporary.
-                    ka, kb = _keys([p.out_spec(m, k, c) for c in range(len(p.strategies[root[m]]))],
-                                   [p.out_spec(t, 0, c) for c in range(len(p.strategies[root[t]]))])
+                    ka, kb = layouts.keys(
+                        [p.out_spec(m, k, c) for c in range(len(p.strategies[root[m]]))],
+                        [p.out_spec(t, 0, c) for c in range(len(p.strategies[root[t]]))])
                     self.copies.append(Copy(root[m], ka, scale * sizes(v, m, k), root[t], kb,
                                             np.zeros(len(kb)), pos[node.id], pos[node.id],
                                             f"state {t} computed in another layout"))
+        self._add_combined_holds(is_tensor)
         self._add_operand_copies(is_tensor)
+
+    def _add_combined_holds(self, is_tensor) -> None:
+        """XLA combines the reductions of the step's gradients into one all-reduce (its
+        combiner; intra/combiner.py), which runs once the last of them is made: a gradient
+        whose plan reduces it (a partial sum, or a reduction inside its node) is held until
+        then, not freed by its reader. (GPT on 8 devices, data parallel: every weight's
+        gradient was live at XLA's peak, just before the one all-reduce of them all; the
+        model, freeing each at its update, put the plan at 1/1.40 of its compiled peak.) The
+        all-reduce's results are written while its operands are read: both are live then
+        (memory_analysis' peak of that plan is its live peak with every gradient twice)."""
+        p = self.problem
+        g, root = p.graph, p.groups.root
+        grads = combiner.gradient_values(g, CONTRACTIONS)
+        made = [node for node in g.nodes if node.outputs and node.primitive in CONTRACTIONS
+                and all(v in grads for v in node.outputs)]
+        if not made:
+            return
+        end = max(self.pos[node.id] for node in made)
+        for node in made:
+            m = p.num_inputs + node.id
+            for k, v in enumerate(node.outputs):
+                if not is_tensor(g.values[v]) or v in self.virtual or v not in self.last:
+                    continue
+                reduced = []
+                for c in range(len(p.strategies[root[m]])):
+                    s = p.strategies[m][p.groups.pick[m][c]]
+                    reduced.append(bool(s.out_specs[k].partial) or any(
+                        x.kind in ("all-reduce", "reduce-scatter") for x in s.comms))
+                nbytes = self.scale * np.ceil([cost_bytes if r else 0.0 for r, cost_bytes in zip(
+                    reduced, (p.cost.value_bytes(g.values[v], p.out_spec(m, k, c))
+                              for c in range(len(reduced))))])
+                if not nbytes.any():
+                    continue
+                if self.last[v] < end:
+                    self.buffers.append(Buffer(root[m], nbytes, self.last[v] + 1, end,
+                                               f"{node.primitive} {node.name} held for the "
+                                               "combined all-reduce"))
+                # the all-reduce writes its results while it reads its operands
+                self.buffers.append(Buffer(root[m], nbytes, end, end,
+                                           f"{node.primitive} {node.name} all-reduced"))
 
     def _add_operand_copies(self, is_tensor) -> None:
         p = self.problem
@@ -189,17 +231,7 @@ class MemoryModel:
                 value = g.values[v]
                 if is_tensor(value) and value.ndim > 0 and v in p.producer:
                     readers.setdefault(v, []).append((p.num_inputs + node.id, i))
-        bytes_of: dict = {}  # shape -> spec -> bytes: repeated layers read the same
-
-        def nbytes_for(value, specs):
-            of = bytes_of.setdefault((value.shape, value.dtype, value.itemsize), {})
-            out = []
-            for d in specs:  # one lookup per spec (hashing the specs is what this costs)
-                b = of.get(d)
-                if b is None:
-                    b = of[d] = p.cost.value_bytes(value, d)
-                out.append(b)
-            return self.scale * np.ceil(out)
+        lay = layouts.Layouts(p, self.scale)
 
         # A value with a fan-out member is resharded once into the fan-out's layout, which all
         # its readers read (the copies below start from it): that copy is held from the first
@@ -222,9 +254,9 @@ class MemoryModel:
             # reader (llama's logits gathered for its loss died at the softmax, before the
             # one-hot's last elementwise reader)
             at = [self.pos[m - p.num_inputs] for m, _ in readers[v]]
-            ka, kb = _keys(srcs, dsts)
+            ka, kb = layouts.keys(srcs, dsts)
             self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rf, kb,
-                                    nbytes_for(g.values[v], dsts), min(at), max(at),
+                                    lay.nbytes(g.values[v], dsts), min(at), max(at),
                                     f"fan-out of v{v}"))
         first = self.first  # gathered inputs start there (see __init__)
         # A later gathering reader of a weight (the backward pass) that wants another layout
@@ -233,43 +265,17 @@ class MemoryModel:
         # tightest plan compiled to 2.2x the estimate without this, 0.93x with it; ViT 1.13x
         # -> 1.00x). Only on a mesh with one useful axis: on 2x4 the later layout is mostly a
         # slice of the first one's gathered copy, which XLA slices at the reader (hoisted, a
-        # GPT's estimate was 1.36x its compiled peak).
+        # GPT's estimate was 1.36x its compiled peak). On 2x4 the other way round holds too:
+        # when the later layout is the larger (a weight gathered on one axis for the forward
+        # dot and whole for the backward one), XLA gathers it whole at the first reader and
+        # slices the first layout from it: the copy held from the first layer is the larger
+        # of the two (a GPT on 2x4 held every kernel whole from its forward dot to its
+        # backward one: estimate 0.86x its compiled peak counting the forward's half).
         hoist = len(p.mesh.useful_axes()) == 1
-        # Tied layers read and write the same layouts: each member's layouts (by its choice
-        # key), their keys and their bytes are made once.
-        layouts: dict[tuple, tuple] = {}  # (choice key, side, index) -> (specs, interned id)
-        interned: dict[tuple, int] = {}
-
-        def specs_of(m, side, idx):
-            key = (p.choice_key(m), side, idx)
-            if key not in layouts:
-                spec = p.out_spec if side == "out" else p.in_spec
-                specs = tuple(spec(m, idx, k) for k in range(len(p.strategies[root[m]])))
-                layouts[key] = (specs, interned.setdefault(specs, len(interned)))
-            return layouts[key]
-
-        pairs: dict[tuple[int, int], tuple] = {}  # (ids of both layouts) -> their keys, same
-
-        def keys_of(a, b):
-            if (a[1], b[1]) not in pairs:
-                ka, kb = _keys(a[0], b[0])
-                ka.flags.writeable = kb.flags.writeable = False
-                pairs[(a[1], b[1])] = (ka, kb, len(set(a[0]).union(b[0])) == 1)
-            return pairs[(a[1], b[1])]
-
-        sized: dict[tuple, np.ndarray] = {}
-
-        def bytes_of_layouts(value, d):
-            key = (value.shape, value.dtype, value.itemsize, d[1])
-            if key not in sized:
-                sized[key] = nbytes_for(value, d[0])
-                sized[key].flags.writeable = False
-            return sized[key]
-
         for v in sorted(readers):
             src, out_idx = p.source[v]
             rs = root[src]
-            srcs = specs_of(src, "out", out_idx)
+            srcs = lay.of(src, "out", out_idx)
             # Readers in the producer's group take its layout as it is (never a copy).
             movers = [(m, i) for m, i in readers[v] if root[m] != rs]
             if not movers:
@@ -282,13 +288,13 @@ class MemoryModel:
             seen, lead = set(), None
             for m, i in sorted(movers, key=lambda mi: self.pos[mi[0] - p.num_inputs]):
                 rm = root[m]
-                dsts = specs_of(m, "in", i)
+                dsts = lay.of(m, "in", i)
                 key = (rm, dsts[1])
-                ka, kb, same = keys_of(srcs, dsts)
+                ka, kb, same = lay.keys(srcs, dsts)
                 if key in seen or same:
                     continue
                 seen.add(key)
-                nbytes = bytes_of_layouts(g.values[v], dsts)
+                nbytes = lay.sized(g.values[v], dsts)
                 at = self.pos[m - p.num_inputs]
                 last = max([at, *(t for t in heavy if t > at)])
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
@@ -298,12 +304,15 @@ class MemoryModel:
                     # read the same layout (theirs start at their reader: never hoisted twice)
                     start = min(at, first)
                     lead = (rm, dsts)
-                elif (hoist and src < p.num_inputs and lead is not None and first < at
+                elif (src < p.num_inputs and lead is not None and first < at
                       and g.nodes[m - p.num_inputs].primitive not in FUSED):
-                    # counted while the two layouts differ, from the first layer to the reader
-                    kl, km, _ = keys_of(lead[1], dsts)
-                    self.copies.append(Copy(lead[0], kl, np.zeros(len(kl)), rm, km, nbytes,
-                                            first, at - 1, f"hoisted reshard of v{v} for {what}"))
+                    # counted while the two layouts differ, from the first layer to the reader:
+                    # whole (one useful axis), or what it adds to the first reader's (else)
+                    kl, km, _ = lay.keys(lead[1], dsts)
+                    grows = (np.zeros(len(kl)) if hoist
+                             else -lay.sized(g.values[v], lead[1]))
+                    self.copies.append(Copy(lead[0], kl, grows, rm, km, nbytes, first, at - 1,
+                                            f"hoisted reshard of v{v} for {what}"))
                 self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start, last,
                                         f"reshard of v{v} for {what}"))
                 if primitives.info(g.nodes[m - p.num_inputs].primitive).leader:
@@ -361,7 +370,8 @@ class MemoryModel:
         for j, c in enumerate(self.copies):
             ia, ib = index[c.a], index[c.b]
             if ia == ib:
-                diag[j] = (ia, np.where(c.key_a != c.key_b, c.bytes_a + c.bytes_b, 0.0))
+                diag[j] = (ia, np.where(c.key_a != c.key_b,
+                                        np.maximum(c.bytes_a + c.bytes_b, 0.0), 0.0))
             else:
                 copy_id[j] = len(copies)
                 copies.append(ilp.Copy(ia, c.key_a, c.bytes_a, ib, c.key_b, c.bytes_b))
@@ -388,7 +398,7 @@ class MemoryModel:
         for c in self.copies:
             ka, kb = root_choice[c.a], root_choice[c.b]
             if c.key_a[ka] != c.key_b[kb]:
-                items.append((c.start, c.end, float(c.bytes_a[ka] + c.bytes_b[kb])))
+                items.append((c.start, c.end, max(0.0, float(c.bytes_a[ka] + c.bytes_b[kb]))))
         if not items:
             return 0.0
         starts, ends, sizes = (np.array(x) for x in zip(*items))

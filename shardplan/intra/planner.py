@@ -139,7 +139,8 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
         if not options.memory_margin:
             raise
         raise ilp.InfeasibleMemory(options.memory_budget, e.min_bytes, e.exact,
-                                   margin=options.memory_margin) from None
+                                   margin=options.memory_margin,
+                                   found_bytes=e.found_bytes) from None
     if options.memory_budget is not None and options.memory_margin:
         notes.append(f"the memory estimate counts the step's activations with a margin of "
                      f"{options.memory_margin:.0%} for what the memory model does not see of "
