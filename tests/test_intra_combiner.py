@@ -152,6 +152,26 @@ def test_loss_values_are_the_loss_after_its_last_sum():
     assert not (set(dots[0].outputs) & loss)
 
 
+def test_loss_values_leave_out_values_no_output_reads():
+    """A value nothing reads (a residual the differentiation left behind) is reduced
+    nowhere: not one of the loss's last values (such a value, partial, made the loss's
+    members charge a reduction the compiled program never runs)."""
+    def step(w, x):
+        def loss(w):
+            y = x @ w
+            _ = jnp.sum(y, axis=1)  # dead
+            return jnp.mean(y ** 2)
+        value, g = jax.value_and_grad(loss)(w)
+        return w - 0.1 * g, value
+
+    traced = trace(step, (jax.ShapeDtypeStruct((8, 4), jnp.float32),
+                          jax.ShapeDtypeStruct((16, 8), jnp.float32)), (0,), (1,))
+    g = lift(traced.closed_jaxpr, traced.arg_info)
+    loss = combiner.loss_values(g, CONTRACTIONS)
+    read = {v for n in g.nodes for v in n.inputs} | set(g.outputs)
+    assert g.outputs[-1] in loss and loss <= read
+
+
 def test_ilp_prices_data_parallel_as_compiled_and_beats_it(devices):
     """GPT at test size on 8 devices under the cpu profile: data parallel compiles to one
     all-reduce, the loss's sum over the batch combined with the gradients'. The ILP with data
