@@ -172,9 +172,8 @@ through them, so they make no new partial sum to reduce."""
 def loss_values(g: Graph, contractions: frozenset[str]) -> frozenset[int]:
     """The values the loss is finished from: made by a node, upstream of an output tied to no
     input, read (directly or through what is computed from them) only by elementwise and
-    shape ops (PASSING), neither upstream of
-    an output tied to an input (the updated state) nor downstream of a gradient
-    (gradient_values, `contractions` its heads). No reduction follows theirs, none of the
+    shape ops (PASSING), neither upstream of an output tied to an input (the updated state)
+    nor downstream of a gradient (gradient_values, `contractions` its heads). No reduction follows theirs, none of the
     gradients' depends on theirs and theirs on none: XLA combines a reduction of the loss's
     sum over the batch with the gradients' all-reduce over the same devices (measured: GPT at
     test size on 8 devices, data parallel compiles to one all-reduce, the loss's and the

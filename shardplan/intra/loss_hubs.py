@@ -1,7 +1,7 @@
 """Whether the loss's last reduction joins the gradients' combined all-reduce, in the ILP.
 
 The ILP prices a reduction of the loss's last values (intra/combiner.py loss_values: its sum
-over the batch) without its own latency (Problem.combined). XLA's combiner
+over the batch) without its own latency (Problem.latency_free). XLA's combiner
 (collective_combiner_utils.h) walks the program in post order, where the loss comes last, and
 adds each all-reduce of one key to the group it is building until one depends on a member:
 the loss's joins the gradients' when they are reduced over the same devices and no reduction
