@@ -427,3 +427,19 @@ def test_partial_sums_on_cpu_compile_to_an_all_reduce():
     assert [(o.kind, o.nbytes, o.bytes_sent) for o in ops] == [
         (c.kind, c.nbytes, C.bytes_sent(c.kind, c.nbytes, 8)) for c in gpu
     ]
+
+
+def test_a_dimension_split_on_two_axes_is_gathered_by_one_all_gather():
+    """[-, d+m] -> [-,-] with `d` across hosts: XLA gathers both axes in one all-gather over
+    the 8 devices (on the slow link), and the model prices that, not a cheaper-looking
+    permute and a gather per axis that XLA never runs (measured on GPT-2 124M on 8x8: the
+    written-back embedding's gather, 6.4 ms compiled against 1.3 ms priced)."""
+    links = HardwareProfile.two_level(4, intra_bandwidth=1e11, inter_bandwidth=1e10
+                                      ).axis_links(M24)
+    src, dst = spec(None, ("d", "m")), spec(None, None)
+    comms = C.reshard(SHAPE, F32, src, dst, M24, links=links)
+    assert kinds(comms) == [("all-gather", ("d", "m"), FULL)]
+    jmesh = auto_mesh((2, 4), ("d", "m"))
+    sent, xla_kinds = _xla_bytes(jmesh, src, dst)
+    assert xla_kinds == ["all-gather"]
+    assert C.comms_bytes(comms, M24) == pytest.approx(sent)
