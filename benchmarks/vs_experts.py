@@ -4,6 +4,7 @@ priced by one profile (`shardplan.auto(..., measure=True)` keeps every candidate
 
     .venv/bin/python benchmarks/vs_experts.py gpt gpt2-124m a100-80gb 8 2x4
     .venv/bin/python benchmarks/vs_experts.py gpt gpt2-124m a100-80gb 2x4 --time-limit 300
+    .venv/bin/python benchmarks/vs_experts.py gpt gpt2-124m a100-80gb 8x8   # 64 CPU devices
 
 The expert plans are completed by the ILP within the search's time limit; on a loaded machine
 a completion that runs out of it falls back to the expert's input shardings alone (XLA
@@ -13,6 +14,7 @@ propagating the rest), which prices far worse: give a long --time-limit for a fa
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -20,7 +22,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 
-MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
+MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model")),
+          "8x8": ((8, 8), ("data", "model"))}
 
 
 def main(argv=None):
@@ -31,7 +34,8 @@ def main(argv=None):
     ap.add_argument("meshes", nargs="+", choices=sorted(MESHES))
     ap.add_argument("--time-limit", type=float, default=30.0)
     args = ap.parse_args(argv)
-    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_num_cpu_devices",
+                      max(math.prod(MESHES[m][0]) for m in args.meshes))
     import shardplan
     from shardplan.models import get_model
 

@@ -448,3 +448,19 @@ def test_the_cost_models_reshard_collectives_and_path_are_the_plans_own():
         path = cost.reshard_path(value, src, dst)
         assert path == C.reshard_path(SHAPE, F32, s, d, M24, **kw)
         assert cost.reshard_path(value, src, dst) is path
+
+
+def test_a_dimension_split_on_two_axes_is_gathered_by_one_all_gather():
+    """[-, d+m] -> [-,-] with `d` across hosts: XLA gathers both axes in one all-gather over
+    the 8 devices (on the slow link), and the model prices that, not a cheaper-looking
+    permute and a gather per axis that XLA never runs (measured on GPT-2 124M on 8x8: the
+    written-back embedding's gather, 6.4 ms compiled against 1.3 ms priced)."""
+    links = HardwareProfile.two_level(4, intra_bandwidth=1e11, inter_bandwidth=1e10
+                                      ).axis_links(M24)
+    src, dst = spec(None, ("d", "m")), spec(None, None)
+    comms = C.reshard(SHAPE, F32, src, dst, M24, links=links)
+    assert kinds(comms) == [("all-gather", ("d", "m"), FULL)]
+    jmesh = auto_mesh((2, 4), ("d", "m"))
+    sent, xla_kinds = _xla_bytes(jmesh, src, dst)
+    assert xla_kinds == ["all-gather"]
+    assert C.comms_bytes(comms, M24) == pytest.approx(sent)

@@ -230,11 +230,16 @@ def _op_sequences(src: ShardSpec, dst: ShardSpec, mesh: MeshShape, forms_rs: boo
         move_orders.append(
             [_Op("a2a", tuple(g), frm=src_dim[g[0]], to=dst_pos[g[0]][0]) for g in groups.values()]
         )
+    # The axes a dimension drops are gathered by one all-gather over all of them, as XLA
+    # does (measured: GPT-2 124M on 8x8 A100s, the updated [-, (data, model)] embedding
+    # written back whole ran as one all-gather over the 64 devices, on the inter-host link;
+    # priced as a permute and an all-gather over `data` then one over `model`, the plan's
+    # step compiled to 1.5x its estimate).
     gather_orders = []
-    for per_axis, sign in itertools.product((False, True), (1, -1)):
+    for sign in (1, -1):
         groups = {}
         for a in sorted(gathers, key=lambda a: sign * rank[a]):
-            groups.setdefault(a if per_axis else src_dim[a], []).append(a)
+            groups.setdefault(src_dim[a], []).append(a)
         gather_orders.append([_Op("ag", tuple(g), frm=src_dim[g[0]]) for g in groups.values()])
 
     # S slices, R reduce-scatters, A all-reduce, P slices of all-reduced axes, Q = S + P after

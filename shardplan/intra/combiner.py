@@ -23,6 +23,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+from shardplan.ir import primitives
 from shardplan.ir.graph import Graph
 from shardplan.strategies.base import Collective
 
@@ -145,7 +146,7 @@ def terminal_values(g: Graph, heads: frozenset[str]) -> frozenset[int]:
     unless an update reads one from another (a global norm), so XLA runs them as one or a few
     combined all-reduces whatever their number; the ILP prices them without their own latency
     (intra/problem.py)."""
-    feeds = _upstream(g, (), heads)  # values from which a head is reachable
+    feeds = upstream(g, (), heads)  # values from which a head is reachable
     made = {v for node in g.nodes for v in node.outputs}
     return frozenset(made - feeds)
 
@@ -158,11 +159,41 @@ def gradient_values(g: Graph, heads: frozenset[str]) -> frozenset[int]:
     each with its own latency)."""
     terminal = terminal_values(g, heads)
     tied = {v for v, tie in zip(g.outputs, g.output_ties) if tie is not None}
-    reaches = _upstream(g, tied)
+    reaches = upstream(g, tied)
     return frozenset(terminal & reaches)
 
 
-def _upstream(g: Graph, seeds, heads: frozenset[str] = frozenset()) -> set[int]:
+PASSING = frozenset({"elementwise", "broadcast", "reshape", "squeeze", "transpose",
+                     "identity"})
+"""Families of the primitives that sum over no dimension: a whole value stays whole
+through them, so they make no new partial sum to reduce."""
+
+
+def loss_values(g: Graph, contractions: frozenset[str]) -> frozenset[int]:
+    """The values the loss is finished from: made by a node, upstream of an output tied to no
+    input, read (directly or through what is computed from them) only by elementwise and
+    shape ops (PASSING), neither upstream of an output tied to an input (the updated state)
+    nor downstream of a gradient (gradient_values, `contractions` its heads). No reduction follows theirs, none of the
+    gradients' depends on theirs and theirs on none: XLA combines a reduction of the loss's
+    sum over the batch with the gradients' all-reduce over the same devices (measured: GPT at
+    test size on 8 devices, data parallel compiles to one all-reduce, the loss's and the
+    gradients'; priced with its own latency, the ILP gathered the log-probabilities instead,
+    an all-gather the compiled program ran, to finish the loss on every device). The loss's
+    earlier reductions (a split vocabulary's) are read by the backward pass: not these."""
+    heads = frozenset(n.primitive for n in g.nodes
+                      if primitives.info(n.primitive).family not in PASSING)
+    grads = gradient_values(g, contractions)
+    after = set(grads)
+    for node in g.nodes:
+        if any(v in after for v in node.inputs):
+            after.update(node.outputs)
+    tied = {v for v, tie in zip(g.outputs, g.output_ties) if tie is not None}
+    untied = {v for v, tie in zip(g.outputs, g.output_ties) if tie is None}
+    made = {v for node in g.nodes for v in node.outputs} & upstream(g, untied)
+    return frozenset(made - upstream(g, (), heads) - upstream(g, tied) - after)
+
+
+def upstream(g: Graph, seeds, heads: frozenset[str] = frozenset()) -> set[int]:
     """The values from which a value of `seeds` or a node of `heads` (primitives) is
     reachable, through nodes and loop carries (a carry runs backwards in program order: to a
     fixed point)."""

@@ -18,10 +18,10 @@ gradient over the group's axes forbids that choice with the hub off. As rows, no
 infinite entries, they leave presolve its eliminations (intra/presolve.py) and the MIP one row
 per member instead of an edge's pair variables (GPT-2 1.5B unrolled on 8x8: the core fell from
 267 members and 654 edges to 237 and 421, as without hubs; the solve did not get faster with
-it: the rows cost HiGHS's LP as many iterations as the edges did, 16k against 12k without). A member reduces a gradient where
-its strategy's own collectives do (a node making a gradient), or where it leaves a gradient a
-partial sum (whoever reads it reduces it: no gradient is read partial by the optimizer's
-update or left partial in an output).
+it: the rows cost HiGHS's LP as many iterations as the edges did, 16k against 12k without).
+A member reduces a gradient where its strategy's own collectives do (a node making a
+gradient), or where it leaves a gradient a partial sum (whoever reads it reduces it: no
+gradient is read partial by the optimizer's update or left partial in an output).
 """
 
 from __future__ import annotations

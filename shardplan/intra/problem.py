@@ -9,7 +9,7 @@ import collections
 import numpy as np
 
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
-from shardplan.intra import combiner, hubs, ilp
+from shardplan.intra import combiner, hubs, ilp, loss_hubs
 from shardplan.intra.settings import IntraOptions
 from shardplan.intra.simplify import Groups, fanout_members, merge_followers, tie_layers
 from shardplan.ir.graph import Graph, Role, Value
@@ -129,7 +129,7 @@ class Problem:
                 key = ("fanout",)
             else:
                 node = g.nodes[m - self.num_inputs]
-                key = ("node", self.cost.node_time_key(g, node), self.combined(node.outputs))
+                key = ("node", self.cost.node_time_key(g, node), self.latency_free(node.outputs))
             self._time_keys[m] = key
         return key
 
@@ -158,7 +158,7 @@ class Problem:
             return self.input_io_time(m, spec) + (1e-3 * read if off_batch else 0.0), 0.0
         node = self.graph.nodes[m - self.num_inputs]
         compute, comm = self.cost.node_time(self.graph, node, strategy)
-        if self.combined(node.outputs):
+        if self.latency_free(node.outputs):
             comm -= node.trips * self.cost.combined_latency(strategy.comms)
         return compute, comm
 
@@ -174,11 +174,27 @@ class Problem:
             self.__dict__["_gradients"] = combiner.gradient_values(self.graph, CONTRACTIONS)
         return bool(values) and all(v in self._gradients for v in values)
 
+    def loss_values(self) -> frozenset[int]:
+        """The loss's last values (intra/combiner.py loss_values), or none without
+        combine_gradients."""
+        if not self.options.combine_gradients:
+            return frozenset()
+        if "_loss" not in self.__dict__:
+            self.__dict__["_loss"] = combiner.loss_values(self.graph, CONTRACTIONS)
+        return self._loss
+
+    def latency_free(self, values) -> bool:
+        """Whether the ILP prices the reductions making `values` without their own latency:
+        the gradients' (combined) and the loss's last ones, whose latency the loss's members
+        of the ILP charge where they do not join the gradients' (intra/loss_hubs.py)."""
+        return self.combined(values) or (bool(values) and all(
+            v in self.loss_values() for v in values))
+
     def edge_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
         """What the ILP charges for resharding `value`: reshard_time, less the latency of the
         reductions that join the combined all-reduce of the gradients (combined)."""
         time = self.reshard_time(value, src, dst)
-        if time > 0 and self.combined((value.id,)):
+        if time > 0 and self.latency_free((value.id,)):
             time -= self.layers(value) * self.cost.combined_latency(
                 self.cost.reshard_comms(value, src, dst))
         return time
@@ -284,7 +300,7 @@ class Problem:
         # Repeated layers reshard values of the same shapes between the same layouts: the
         # matrix, and each layout pair's time, are computed once.
         memo = self.__dict__.setdefault("_reshard_memo", {})
-        shape = (value.shape, value.dtype, value.itemsize, self.combined((value.id,)))
+        shape = (value.shape, value.dtype, value.itemsize, self.latency_free((value.id,)))
         key = (shape, tuple(srcs), tuple(dsts))
         if key in memo:
             return memo[key]
@@ -342,7 +358,7 @@ class Problem:
             """`dst`: ("in", i) the strategies' i-th operand spec of n, ("out", 0) its output."""
             rp, rn = root[p], root[n]
             key = (value.shape, value.dtype, value.itemsize, self.choice_key(p), out_idx,
-                   self.choice_key(n), dst, rp == rn, self.combined((value.id,)))
+                   self.choice_key(n), dst, rp == rn, self.latency_free((value.id,)))
             if key not in memo:
                 self.work["edge costs"] += 1
                 memo[key] = self._edge_cost(value, p, out_idx, n, dst, rp == rn)
@@ -414,18 +430,21 @@ class Problem:
             else:
                 merged[(ia, ib)] = merged.get((ia, ib), 0) + m
         hub_costs, hub_rows = hubs.terms(self, len(costs))
-        node_costs = tuple(costs + hub_costs)
-        edge_list = tuple((a, b, m) for (a, b), m in sorted(merged.items()))
+        loss_costs, loss_edges, loss_rows = loss_hubs.terms(self, len(costs),
+                                                            len(costs) + len(hub_costs))
+        node_costs = tuple(costs + hub_costs + loss_costs)
+        edge_list = tuple((a, b, m) for (a, b), m in sorted({**merged, **loss_edges}.items()))
         budget = self.options.memory_budget
         base = rows = copies = row_copies = ()
         if budget is not None:
             base, rows, copies, row_copies = self.memory().solver_terms(self.index, len(self.reps))
         return ilp.SolverInput(node_costs, edge_list, rows, budget, self.options.time_limit_s,
                                self.options.seed, self.options.workers,
-                               hint=(0,) * len(self.reps) + (1,) * len(hub_costs),
+                               hint=(0,) * len(self.reps) + (1,) * len(hub_costs)
+                               + (0,) * len(loss_costs),
                                memory_base=base,
                                copies=copies, row_copies=row_copies,
                                deadline=self.options.deadline,
-                               implications=tuple(hub_rows))
+                               implications=tuple(hub_rows + loss_rows))
 
 

@@ -49,8 +49,8 @@ class IntraOptions:
     # The reductions of the step's gradients priced as XLA's combiner runs them: each without
     # its own latency, and the latency of the combined all-reduce once per mesh axes, in the
     # plans that reduce a gradient over them (intra/hubs.py, intra/combiner.py
-    # gradient_values; the loss's reductions, which hang off the forward pass's, keep
-    # theirs). Off for the SPMD pipeline's stage programs, whose loss and head run inside the
+    # gradient_values; the loss's last reductions join them, loss_values; its earlier ones,
+    # which the backward pass reads, keep their latency). Off for the SPMD pipeline's stage programs, whose loss and head run inside the
     # loop of ticks, apart from the other gradients' reductions (inter/spmd_cost.py prices
     # those collectives). Measured on (searched / best expert, compiled and priced, 8 and
     # 2x4): gpt2-124m under a100-80gb 0.957 / 0.964 (off: 1.062 / 1.003); the zoo at test
