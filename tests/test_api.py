@@ -191,7 +191,8 @@ def test_predicted_bytes_match_compiled_with_reduce_scatters(mesh2x4):
     step = shardplan.auto(m.fn, mesh=mesh2x4, hardware=A100)
     plan = step.plan(*m.args)
     stats = hlo.analyze(step.lower(*m.args).compile()).formed()
-    assert plan.estimate.comm_bytes > 2**20
+    # (0.94 MB since the loss's reduction joins the gradients' combined all-reduce: 1.x before)
+    assert plan.estimate.comm_bytes > 2**19
     assert plan.estimate.comm_bytes == pytest.approx(stats.bytes_sent, rel=0.10)
 
 

@@ -209,12 +209,14 @@ def test_re_plans_and_their_compiles_end_within_the_time_limit(mesh2x4, monkeypa
 
 def test_a_kernel_read_whole_in_the_backward_is_held_whole_from_the_forward(mesh2x4,
                                                                           monkeypatch):
-    """FSDP's kernels on 2x4, laid out by the ILP: a kernel its forward dot reads gathered on
-    one axis (or as stored) and its backward dot reads whole. XLA gathers it whole at the
-    forward dot and keeps that copy until the backward one (the compiled program all-gathers
-    whole kernels); the memory model holds the larger layout from the first layer on (the
-    hoisted copies add what the backward's layout has over the forward's). Without it a
-    GPT's plan on 2x4 was estimated at 1/1.16 of its compiled peak (under: the unsafe side)."""
+    """Expert plans on 2x4 (FSDP, 2-D), laid out by the ILP: a kernel its forward dot reads
+    gathered on one axis (or as stored) and its backward dot reads whole. XLA gathers it whole
+    at the forward dot and keeps that copy until the backward one (the compiled program
+    all-gathers whole kernels); the memory model holds the larger layout from the first layer
+    on (the hoisted copies add what the backward's layout has over the forward's). Without it
+    a GPT's plan on 2x4 was estimated at 1/1.16 of its compiled peak (under: the unsafe side).
+    Which expert's completion reads kernels so depends on the cost model (FSDP's did when this
+    was written, the 2-D plan's since the loss's reduction is priced as XLA combines it)."""
     from shardplan.intra import memory
     from shardplan.units import Deadline
 
@@ -235,23 +237,29 @@ def test_a_kernel_read_whole_in_the_backward_is_held_whole_from_the_forward(mesh
     plan, graph, _ = plan_step(traced, mesh, get_profile("cpu"), options, device_mesh=mesh2x4)
     complete = measure.completer(graph, traced, mesh, get_profile("cpu"), options,
                                  Deadline(60.0), device_mesh=mesh2x4)
-    fsdp = measure.expert_plans(graph, plan, complete=complete)["fsdp"]
-    _, model, choice = min(models, key=lambda t: abs(t[0] - fsdp.estimate.peak_bytes))
-    grown = [c for c in model.copies if c.what.startswith("hoisted")
-             and c.key_a[choice[c.a]] != c.key_b[choice[c.b]]
-             and c.bytes_a[choice[c.a]] + c.bytes_b[choice[c.b]] > 0]
-    assert grown, "no kernel read in a larger layout by its backward dot"
-    compiled = measure.compile_for_analysis(
-        measure.lower_plan(graph, traced, fsdp, mesh2x4, m.state_argnums))
     kernels = {tuple(graph.values[v].shape) for v in graph.inputs if graph.values[v].ndim == 2}
-    text = compiled.as_text()
-    assert any(f"f32[{a},{b}]" in line and "all-gather(" in line
-               for a, b in kernels for line in text.splitlines()), "no kernel gathered whole"
-    peak_bytes = hlo.analyze(compiled).peak_bytes
-    # the safe side (0.82 measured; 0.71 with the gradients held for a combined all-reduce
-    # that XLA does not run here: it gathers the activations whole and computes each kernel
-    # gradient's shard where the plan reduce-scatters partial sums)
-    assert peak_bytes <= fsdp.estimate.peak_bytes, (peak_bytes, fsdp.estimate.peak_bytes)
+    checked = []
+    for name, expert in measure.expert_plans(graph, plan, complete=complete).items():
+        if name not in ("fsdp", "two_d"):
+            continue
+        compiled = measure.compile_for_analysis(
+            measure.lower_plan(graph, traced, expert, mesh2x4, m.state_argnums))
+        if not any(f"f32[{a},{b}]" in line and "all-gather(" in line
+                   for a, b in kernels for line in compiled.as_text().splitlines()):
+            continue  # no kernel gathered whole
+        _, model, choice = min(models, key=lambda t: abs(t[0] - expert.estimate.peak_bytes))
+        grown = [c for c in model.copies if c.what.startswith("hoisted")
+                 and c.key_a[choice[c.a]] != c.key_b[choice[c.b]]
+                 and c.bytes_a[choice[c.a]] + c.bytes_b[choice[c.b]] > 0]
+        assert grown, f"{name}: no kernel read in a larger layout by its backward dot"
+        peak_bytes = hlo.analyze(compiled).peak_bytes
+        # the safe side (FSDP: 0.82 measured; 0.71 with the gradients held for a combined
+        # all-reduce that XLA does not run there: it gathers the activations whole and
+        # computes each kernel gradient's shard where the plan reduce-scatters partial sums)
+        assert peak_bytes <= expert.estimate.peak_bytes, (name, peak_bytes,
+                                                          expert.estimate.peak_bytes)
+        checked.append(name)
+    assert checked, "no expert plan gathers a kernel whole"
 
 
 def test_gradients_reduced_together_are_held_until_their_combined_all_reduce(mesh8):
