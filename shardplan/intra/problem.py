@@ -192,7 +192,7 @@ class Problem:
 
     def edge_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
         """What the ILP charges for resharding `value`: reshard_time, less the latency of the
-        reductions that join the combined all-reduce of the gradients (combined)."""
+        reductions it prices elsewhere (latency_free: the gradients', the loss's)."""
         time = self.reshard_time(value, src, dst)
         if time > 0 and self.latency_free((value.id,)):
             time -= self.layers(value) * self.cost.combined_latency(
