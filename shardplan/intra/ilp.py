@@ -151,11 +151,7 @@ class SearchTimeout(RuntimeError):
 
 def evaluate(inp: SolverInput, choice) -> tuple[float, float]:
     """(objective, peak memory) of a choice."""
-    obj = sum(float(c[k]) for c, k in zip(inp.node_costs, choice))
-    obj += sum(float(m[choice[a], choice[b]]) for a, b, m in inp.edges)
-    if not all(r.holds(choice) for r in inp.implications):
-        obj = float("inf")
-    return obj, max(inp.row_peaks(choice), default=0.0)
+    return presolve.objective(inp, choice), max(inp.row_peaks(choice), default=0.0)
 
 
 def brute_force(inp: SolverInput) -> Solution:
@@ -224,7 +220,7 @@ def solve(inp: SolverInput) -> Solution:
     if inp.num_nodes == 0:
         return Solution((), 0.0, 0.0, True, "empty")
     budget = inp.memory_budget
-    reduced = presolve.reduce(inp)
+    reduced = presolve.reduce(linear.perturbed(inp))
     core = reduced.inp
     lazy = budget is not None and len(inp.memory_rows) > ROWS_PER_ROUND
     active = _first_rows(inp) if lazy else set(range(len(inp.memory_rows)))

@@ -9,13 +9,14 @@ with cuts in about 10 s, where CP-SAT ran 30 s (deterministic) and stopped 3.5% 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import optimize, sparse
 
-from shardplan.intra import cpsat
+from shardplan.intra import cpsat, presolve
 
 if TYPE_CHECKING:  # annotations only: ilp imports this module
     from shardplan.intra.ilp import SolverInput
@@ -29,9 +30,29 @@ MIP_GAP = 0.0
 # the wall clock: the same model solved 16 times in one process gave two plans, half and half,
 # with threads=1 too). presolve.canonical maps ties node by node, not ties that several nodes
 # must leave together (a chain of values split on another dimension). So each choice's cost
-# gets a fixed pseudo-random share of PERTURB units (the dearest cost is 1e4 units, so a
-# nanosecond where it is 10 ms): equal plans no longer tie, and every run finds the same one.
-PERTURB = 1e-3
+# gets a fixed pseudo-random share of PERTURB of the dearest cost (a nanosecond where it is
+# 10 ms), keyed on its node and choice in the problem as given, before presolve (ilp.solve):
+# equal plans no longer tie, and every exact reduction keeps the one optimum, so a change to
+# presolve (or a run) does not flip a tie.
+PERTURB = 1e-7
+
+
+def _uniform(node: int, choices: int) -> np.ndarray:
+    """A fixed number in [0, 1) per choice of `node`: SplitMix64's mix of (node, choice)."""
+    z = (np.uint64(node) << np.uint64(32)) + np.arange(choices, dtype=np.uint64)
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(float) * 2.0 ** -53
+
+
+def perturbed(inp: SolverInput) -> SolverInput:
+    """`inp` with PERTURB's tie-breaks added to its node costs."""
+    step = PERTURB * 1e8 / cpsat.scale_of(inp)
+    return dataclasses.replace(inp, node_costs=tuple(
+        np.asarray(c, float) + step * _uniform(i, len(c)) for i, c in enumerate(inp.node_costs)))
+
 
 # How far from 0 or 1 a choice variable of the LP relaxation may be and count as integral
 # (HiGHS's own integrality tolerance).
@@ -66,16 +87,20 @@ class _Sparse:
         self.triplets.append((rows, cols, np.broadcast_to(np.asarray(vals, float), rows.shape)))
 
 
+def unit_of(inp: SolverInput) -> float:
+    """Seconds -> the MIP's units: the dearest cost is 1e4 units."""
+    return 1e-4 * cpsat.scale_of(inp)
+
+
 def _sparse(inp: SolverInput) -> tuple[_Sparse, list[np.ndarray]]:
     """The model of `inp` as arrays: (the model, each node's choice variables)."""
-    unit = 1e-4 * cpsat.scale_of(inp)
+    unit = unit_of(inp)
     model = _Sparse()
     x = []
-    rng = np.random.default_rng(0)
     for c in inp.node_costs:
         c = np.asarray(c, float)
         finite = np.isfinite(c)
-        obj = np.where(finite, c, 0.0) * unit + PERTURB * rng.random(len(c))
+        obj = np.where(finite, c, 0.0) * unit
         xs = model.variables(np.zeros(len(c)), finite, obj)
         model.terms(np.full(len(c), model.rows([1.0], [1.0])[0]), xs, 1.0)
         x.append(xs)
@@ -140,47 +165,85 @@ def mip(inp: SolverInput):
     deterministic one): a solve cut short may differ between runs; one that ends is the same.
 
     Where every choice fits (no memory rows), the LP relaxation is solved first: Alpa's edge
-    pairs make it integral on these problems (measured: the unrolled GPT-2 1.5B core on 8x8,
-    and the zoo's), and an integral LP optimum is the MIP's, proven, without the MIP's presolve
-    and root (that core: 2.6 against 3.6 CPU s). A fractional one goes on to the MIP."""
+    pairs make it integral on most of these problems (measured: the unrolled GPT-2 1.5B core on
+    8x8, and the zoo's), and an integral LP optimum is the MIP's, proven, without the MIP's
+    presolve and root (that core: 2.6 against 3.6 CPU s). A fractional one (frustrated cycles
+    of layouts, as on the scanned GPT-2 1.5B on 8x8: values half split on one axis, half on
+    the other) bounds the MIP from below: with a plan found near it (presolve.improved), the
+    columns whose reduced cost lifts that bound above the plan's cost are in no optimum, and
+    the MIP over the rest is a fraction of the whole (there, 8.7k of 50k columns: 0.05 against
+    2.2 s)."""
     model, x = _sparse(inp)
     if inp.remaining() <= 0:
         return "timeout", None
     rows, cols, vals = (np.concatenate(t) for t in zip(*model.triplets))
     matrix = sparse.csr_matrix((vals, (rows, cols)), shape=(model.num_rows, model.num_vars))
+    obj, lb, ub = (np.concatenate(a) for a in (model.obj, model.lb, model.ub))
+    rlo, rhi = np.concatenate(model.rlo), np.concatenate(model.rhi)
     num_x = sum(len(xs) for xs in x)
     integrality = np.zeros(model.num_vars)
+    integrality[:num_x] = 1
 
-    def run(options):
+    def run(options, keep=None):
+        """The MIP (over the columns in `keep`), its solution spread over every column."""
         options = {"time_limit": max(0.01, min(inp.time_limit_s, inp.remaining())),
                    "disp": False, **options}
+        keep = np.ones(model.num_vars, bool) if keep is None else keep
         with warnings.catch_warnings():
             # scipy warns of the HiGHS options it does not list, and passes them on
             warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
-            return optimize.milp(
-                np.concatenate(model.obj), integrality=integrality,
-                bounds=optimize.Bounds(np.concatenate(model.lb), np.concatenate(model.ub)),
-                constraints=optimize.LinearConstraint(matrix, np.concatenate(model.rlo),
-                                                      np.concatenate(model.rhi)),
+            res = optimize.milp(
+                obj[keep], integrality=integrality[keep],
+                bounds=optimize.Bounds(lb[keep], ub[keep]),
+                constraints=optimize.LinearConstraint(matrix[:, keep], rlo, rhi),
                 options=options)
+        full = None
+        if res.x is not None:
+            full = np.zeros(model.num_vars)
+            full[keep] = res.x
+        return res.status, full
 
-    def choice_of(res):
-        return tuple(int(np.argmax(res.x[xs])) for xs in x)
+    def choice_of(sol):
+        return tuple(int(np.argmax(sol[xs])) for xs in x)
 
     options = {"mip_rel_gap": MIP_GAP}
     if not inp.memory_rows and not inp.memory_base:
-        lp = run({})
-        if lp.status == 0 and np.all(np.minimum(lp.x[:num_x], 1 - lp.x[:num_x]) <= INTEGRAL):
-            return "optimal", choice_of(lp)
+        lp = _relaxation(inp, obj, lb, ub, matrix, rlo, rhi)
+        if lp is not None and np.all(np.minimum(lp.x[:num_x], 1 - lp.x[:num_x]) <= INTEGRAL):
+            return "optimal", choice_of(lp.x)
         if inp.remaining() <= 0:
             return "timeout", None
         # Every choice is feasible: the feasibility-jump heuristic's first plan only delays
         # the root LP (10% of the unrolled GPT-2 1.5B core's solve).
         options["mip_heuristic_run_feasibility_jump"] = False
-    integrality[:num_x] = 1
-    res = run(options)
-    if res.status == 2:
+        near = None if lp is None else presolve.improved(inp, choice_of(lp.x))
+        upper = np.inf if near is None else presolve.objective(inp, near) * unit_of(inp)
+        if np.isfinite(upper):
+            # A column whose reduced cost lifts the LP's bound above `near`'s cost (with a
+            # margin for HiGHS's tolerances) is in no optimum.
+            reduced = lp.lower.marginals + lp.upper.marginals
+            status, sol = run(options, lp.fun + reduced <= upper + 1e-6 * max(1.0, abs(upper)))
+            if status == 0:
+                return "optimal", choice_of(sol)
+            if inp.remaining() <= 0:
+                return "feasible", near
+    status, sol = run(options)
+    if status == 2:
         return "infeasible", None
-    if res.x is None:
+    if sol is None:
         return "timeout", None
-    return ("optimal" if res.status == 0 else "feasible"), choice_of(res)
+    return ("optimal" if status == 0 else "feasible"), choice_of(sol)
+
+
+def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi):
+    """The LP relaxation (rows equalities or upper bounds, as without memory rows) solved by
+    HiGHS through linprog, which returns its reduced costs; None unless solved."""
+    eq = rlo == rhi
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
+        lp = optimize.linprog(
+            obj, A_ub=matrix[~eq], b_ub=rhi[~eq], A_eq=matrix[eq], b_eq=rhi[eq],
+            bounds=np.stack([lb, ub], axis=1), method="highs",
+            options={"time_limit": max(0.01, min(inp.time_limit_s, inp.remaining())),
+                     "disp": False})
+    return lp if lp.status == 0 else None

@@ -273,6 +273,14 @@ def reduce(inp: SolverInput) -> Reduced:
     return Reduced(reduced, core, tuple(keep), tuple(steps))
 
 
+def objective(inp: SolverInput, choice) -> float:
+    """The cost of `choice`: its nodes' and edges' (infinite where it breaks a row)."""
+    if not all(r.holds(choice) for r in inp.implications):
+        return float("inf")
+    obj = sum(float(c[k]) for c, k in zip(inp.node_costs, choice))
+    return obj + sum(float(m[choice[a], choice[b]]) for a, b, m in inp.edges)
+
+
 def canonical(inp: SolverInput, choice, rounds: int = 20) -> tuple[int, ...]:
     """The same-cost choice that takes, node by node, the first of its equal choices given its
     neighbours' (repeated until none moves). A solver may return any of several optima: this
@@ -280,6 +288,20 @@ def canonical(inp: SolverInput, choice, rounds: int = 20) -> tuple[int, ...]:
     solver's path. Without a memory budget only (a move could overflow a row)."""
     if inp.memory_budget is not None:
         return tuple(choice)
+    return _moves(inp, choice, rounds, lambda score, k, tol: min(
+        k, int(np.flatnonzero(score <= score[k] + tol)[0])))
+
+
+def improved(inp: SolverInput, choice, rounds: int = 50) -> tuple[int, ...]:
+    """`choice` after best responses: node by node, the cheapest choice given its neighbours'
+    (no row broken, memory not weighed), repeated until none moves: a cheap plan near it."""
+    return _moves(inp, choice, rounds, lambda score, k, tol: int(np.argmin(score))
+                  if score.min() < score[k] - tol else k)
+
+
+def _moves(inp: SolverInput, choice, rounds: int, move) -> tuple[int, ...]:
+    """Visit the nodes in turn, each moving to `move(its score per choice given the others,
+    its choice, tolerance)`, until a round moves none (or `rounds` rounds)."""
     adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(inp.num_nodes)]
     for a, b, m in inp.edges:
         adj[a].append((b, np.asarray(m)))
@@ -302,9 +324,9 @@ def canonical(inp: SolverInput, choice, rounds: int = 20) -> tuple[int, ...]:
                     score = np.where(r.when, np.inf, score)
                 if r.b == i and r.when[choice[r.a]]:
                     score = np.where(r.allowed, score, np.inf)
-            first = int(np.flatnonzero(score <= score[choice[i]] + tol)[0])
-            if first < choice[i]:
-                choice[i], moved = first, True
+            k = move(score, choice[i], tol)
+            if k != choice[i]:
+                choice[i], moved = k, True
         if not moved:
             break
     return tuple(choice)
