@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan import _compat, distributed, fit, measure, remat_search
+from shardplan import _compat, distributed, fit, gcpause, measure, remat_search
 from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
@@ -160,7 +160,8 @@ class AutoStep:
                                  f"{len(args)} arguments")
         key = _signature(args)
         if key not in self._cache:
-            self._cache[key] = self._plan_and_emit(args)
+            with gcpause.paused():
+                self._cache[key] = self._plan_and_emit(args)
         return self._cache[key]
 
     def _plan_and_emit(self, args) -> tuple[Plan, Any, Any]:

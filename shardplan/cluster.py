@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shardplan import fingerprint, measure, remat_search
+from shardplan import fingerprint, gcpause, measure, remat_search
 from shardplan import hints as hints_mod
 from shardplan.api import _check_fn, _options
 from shardplan.cost.hardware import HardwareProfile, get_profile
@@ -52,7 +52,13 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
     and the cheapest that fits is kept (JAX must run as many CPU devices as the mesh has).
     """
     _check_fn(fn, "shardplan.search")
-    options = _options(options, search_options)
+    with gcpause.paused():
+        return _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
+                       _options(options, search_options))
+
+
+def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
+            options: SearchOptions) -> Plan:
     if options.pipeline is not False:
         raise ValueError(f"pipeline={options.pipeline!r}: shardplan.search plans one program; "
                          "pipeline stages are planned by shardplan.auto(..., pipeline=...) on a "
