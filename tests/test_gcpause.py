@@ -12,13 +12,12 @@ from shardplan import cluster, gcpause
 
 def test_paused_restores_the_collector_even_on_error():
     assert gc.isenabled()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError), gcpause.paused():
+        assert not gc.isenabled()
         with gcpause.paused():
             assert not gc.isenabled()
-            with gcpause.paused():
-                assert not gc.isenabled()
-            assert not gc.isenabled()  # the inner block leaves the outer's pause
-            raise ValueError
+        assert not gc.isenabled()  # the inner block leaves the outer's pause
+        raise ValueError
     assert gc.isenabled()
     gc.disable()
     try:

@@ -195,23 +195,20 @@ def loss_values(g: Graph, contractions: frozenset[str]) -> frozenset[int]:
 
 def upstream(g: Graph, seeds, heads: frozenset[str] = frozenset()) -> set[int]:
     """The values from which a value of `seeds` or a node of `heads` (primitives) is
-    reachable, through nodes and loop carries (a carry runs backwards in program order: to a
-    fixed point)."""
-    found = set(seeds)
-    carried: dict[int, list[int]] = {}
+    reachable, through nodes and loop carries (a carry's source reaches the carry): a walk
+    back from them, each value once."""
+    makers = g.producers()
+    sources: dict[int, list[int]] = {}
     for src, carry, _ in g.carry_edges():
-        carried.setdefault(src, []).append(carry)
-    changed = True
-    while changed:
-        changed = False
-        for node in reversed(g.nodes):
-            if node.primitive in heads or any(v in found for v in node.outputs):
-                for v in node.inputs:
-                    if v not in found:
-                        found.add(v)
-                        changed = True
-        for src, carries in carried.items():
-            if src not in found and any(c in found for c in carries):
-                found.add(src)
-                changed = True
+        sources.setdefault(carry, []).append(src)
+    found: set[int] = set()
+    todo = list(seeds) + [v for node in g.nodes if node.primitive in heads for v in node.inputs]
+    while todo:
+        v = todo.pop()
+        if v in found:
+            continue
+        found.add(v)
+        if v in makers:
+            todo.extend(g.nodes[makers[v][0]].inputs)
+        todo.extend(sources.get(v, ()))
     return found

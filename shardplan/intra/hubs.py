@@ -45,25 +45,34 @@ def triggers(problem: Problem) -> dict[tuple, list[tuple[int, np.ndarray]]]:
     g, n_in, groups = problem.graph, problem.num_inputs, problem.groups
     kinds = problem.cost.combined_kinds
     out: dict[tuple, list[tuple[int, np.ndarray]]] = {}
+    # (member's choice_key, which) -> [(axes, mask)]: tied layers' members reduce alike
+    memo: dict[tuple, list[tuple[tuple, np.ndarray]]] = {}
 
-    def add(m: int, keys_of_choice: list[set]) -> None:
-        for key in sorted(set().union(*keys_of_choice), key=repr):
-            mask = np.array([key in ks for ks in keys_of_choice])
-            out.setdefault(key, []).append((m, mask))
+    def reductions(m: int, k: int, which) -> set:
+        """The axes over which choice k of member m reduces a gradient: its own collectives
+        (`which` "comms") or, leaving its output `which` partial, its reader's."""
+        if which == "comms":
+            return {tuple(sorted(c.axes)) for c in problem.strategies[m][groups.pick[m][k]].comms
+                    if c.kind in kinds and c.nbytes > 0 and c.axes}
+        spec = problem.out_spec(m, which, k)
+        return {tuple(sorted(spec.partial))} if spec.partial else set()
 
+    def add(m: int, which) -> None:
+        key = (problem.choice_key(m), which)
+        if key not in memo:
+            sets = [reductions(m, k, which) for k in range(len(problem.strategies[groups.root[m]]))]
+            memo[key] = [(axes, np.array([axes in ks for ks in sets]))
+                         for axes in sorted(set().union(*sets), key=repr)]
+        for axes, mask in memo[key]:
+            out.setdefault(axes, []).append((m, mask))
 
     for node in g.nodes:
         m = n_in + node.id
-        choices = len(problem.strategies[groups.root[m]])
         if problem.combined(node.outputs):  # the node's own reductions
-            add(m, [{tuple(sorted(c.axes)) for c in
-                     problem.strategies[m][groups.pick[m][k]].comms
-                     if c.kind in kinds and c.nbytes > 0 and c.axes} for k in range(choices)])
+            add(m, "comms")
         for out_idx, v in enumerate(node.outputs):  # gradients it leaves partial sums
-            if not problem.combined((v,)):
-                continue
-            add(m, [{tuple(sorted(s.partial))} if s.partial else set()
-                    for s in (problem.out_spec(m, out_idx, k) for k in range(choices))])
+            if problem.combined((v,)):
+                add(m, out_idx)
     return out
 
 

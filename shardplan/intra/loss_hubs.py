@@ -96,6 +96,7 @@ def terms(problem: Problem, hubs_from: int, first: int
         old = edges.get((i, hub))
         edges[(i, hub)] = mat if old is None else old + mat
 
+    masks: dict[tuple, np.ndarray] = {}  # (choice_key, axes): tied layers' members alike
     for key in sorted(payers, key=repr):
         hub = first + len(costs)
         grad_hub = joins.get(key)
@@ -110,8 +111,11 @@ def terms(problem: Problem, hubs_from: int, first: int
             if not any(v in forward for v in node.outputs):
                 continue
             m = n_in + node.id
-            mask = np.array([_reduces(problem.strategies[m][groups.pick[m][k]], key, kinds)
-                             for k in choices(m)])
+            mask = masks.get((problem.choice_key(m), key))
+            if mask is None:
+                mask = masks[(problem.choice_key(m), key)] = np.array([
+                    _reduces(problem.strategies[m][groups.pick[m][k]], key, kinds)
+                    for k in choices(m)])
             if mask.any():
                 i = problem.index[groups.root[m]]
                 forbids[(i, hub)] = forbids[(i, hub)] | mask if (i, hub) in forbids else mask

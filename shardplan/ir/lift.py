@@ -53,6 +53,7 @@ class _Builder:
         self.consts: list[int] = []
         self.loops: list[Loop | None] = []
         self.options = options
+        self.dtypes: dict = {}
 
     def pseudo(self, primitive: str, inputs, outputs, trips: float, loop: int, prefix: str,
                **params) -> int:
@@ -65,8 +66,11 @@ class _Builder:
     def new_value(self, aval, *, const=None, is_literal=False) -> int:
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
         dtype = getattr(aval, "dtype", None)
+        named = self.dtypes.get(dtype)  # str() of a dtype is slow, and there are few dtypes
+        if named is None:
+            named = self.dtypes[dtype] = (str(dtype), dtype_itemsize(dtype))
         vid = len(self.values)
-        self.values.append(Value(vid, shape, str(dtype), dtype_itemsize(dtype), const, is_literal))
+        self.values.append(Value(vid, shape, *named, const, is_literal))
         return vid
 
 
