@@ -195,20 +195,5 @@ def loss_values(g: Graph, contractions: frozenset[str]) -> frozenset[int]:
 
 def upstream(g: Graph, seeds, heads: frozenset[str] = frozenset()) -> set[int]:
     """The values from which a value of `seeds` or a node of `heads` (primitives) is
-    reachable, through nodes and loop carries (a carry's source reaches the carry): a walk
-    back from them, each value once."""
-    makers = g.producers()
-    sources: dict[int, list[int]] = {}
-    for src, carry, _ in g.carry_edges():
-        sources.setdefault(carry, []).append(src)
-    found: set[int] = set()
-    todo = list(seeds) + [v for node in g.nodes if node.primitive in heads for v in node.inputs]
-    while todo:
-        v = todo.pop()
-        if v in found:
-            continue
-        found.add(v)
-        if v in makers:
-            todo.extend(g.nodes[makers[v][0]].inputs)
-        todo.extend(sources.get(v, ()))
-    return found
+    reachable, through nodes and loop carries (Graph.upstream)."""
+    return set(g.upstream(seeds, heads))

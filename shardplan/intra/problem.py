@@ -304,9 +304,9 @@ class Problem:
         key = (shape, tuple(srcs), tuple(dsts))
         if key in memo:
             return memo[key]
-        us, ud = list(dict.fromkeys(srcs)), list(dict.fromkeys(dsts))
-        si = np.array([us.index(x) for x in srcs]) if len(us) < len(srcs) else np.arange(len(srcs))
-        di = np.array([ud.index(x) for x in dsts]) if len(ud) < len(dsts) else np.arange(len(dsts))
+        us = {x: i for i, x in enumerate(dict.fromkeys(srcs))}  # each distinct layout once
+        ud = {x: i for i, x in enumerate(dict.fromkeys(dsts))}
+        si, di = np.array([us[x] for x in srcs]), np.array([ud[x] for x in dsts])
 
         def time(a, b):
             k = (shape, a, b)

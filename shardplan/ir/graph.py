@@ -156,6 +156,32 @@ class Graph:
                 out[v] = (n.id, k)
         return out
 
+    def upstream(self, seeds, heads: frozenset[str] = frozenset()) -> frozenset[int]:
+        """The values from which a value of `seeds` or a node of `heads` (primitives) is
+        reachable, through nodes and loop carries (a carry's source reaches the carry): a
+        walk back from them, each value once; kept per (seeds, heads), as planning asks for
+        the same ones several times."""
+        memo = self.__dict__.setdefault("_upstream", {})
+        key = (frozenset(seeds), frozenset(heads))
+        if key in memo:
+            return memo[key]
+        makers = self.producers()
+        sources: dict[int, list[int]] = {}
+        for src, carry, _ in self.carry_edges():
+            sources.setdefault(carry, []).append(src)
+        found: set[int] = set()
+        todo = list(seeds) + [v for n in self.nodes if n.primitive in heads for v in n.inputs]
+        while todo:
+            v = todo.pop()
+            if v in found:
+                continue
+            found.add(v)
+            if v in makers:
+                todo.extend(self.nodes[makers[v][0]].inputs)
+            todo.extend(sources.get(v, ()))
+        memo[key] = frozenset(found)
+        return memo[key]
+
     def consumers(self) -> dict[int, list[tuple[int, int]]]:
         """Map value id -> [(node id, input index)] in program order."""
         out: dict[int, list[tuple[int, int]]] = {}
