@@ -237,7 +237,10 @@ def mip(inp: SolverInput):
 
 def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi):
     """The LP relaxation (rows equalities or upper bounds, as without memory rows) solved by
-    HiGHS through linprog, which returns its reduced costs; None unless solved."""
+    HiGHS through linprog, which returns its reduced costs; None unless solved. HiGHS's
+    presolve is off: it removes little from these cores (presolve.py has) and cost more than
+    it saved (CPU s, on: off, GPT-2 124M on 2x4 1.07: 0.56, the scanned GPT-2 1.5B on 8x8
+    0.55: 0.38, the unrolled one and llama-7b on 8x8 even)."""
     eq = rlo == rhi
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
@@ -245,5 +248,5 @@ def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi):
             obj, A_ub=matrix[~eq], b_ub=rhi[~eq], A_eq=matrix[eq], b_eq=rhi[eq],
             bounds=np.stack([lb, ub], axis=1), method="highs",
             options={"time_limit": max(0.01, min(inp.time_limit_s, inp.remaining())),
-                     "disp": False})
+                     "disp": False, "presolve": False})
     return lp if lp.status == 0 else None
