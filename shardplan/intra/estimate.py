@@ -99,17 +99,20 @@ def partial_origins(problem: Problem, chosen, value_specs) -> dict[int, tuple[fr
     return groups
 
 
-def scattered_whole(src, dst, read_partial) -> bool:
-    """Whether XLA reduces a partial sum that `dst` splits over the axes it was summed on
-    (a reduce-scatter in the model) into a whole all-reduce and a slice: when another reader
-    reads the value partial over those axes, XLA hands it the sum (stale_partials), so the
-    all-reduce's result is read whole (measured: ViT-B/16 on 8x8, a layer norm's input
-    gradient reduce-scattered into its `mul` and summed whole by its bias gradient: six
-    all-reduces compiled where the model expected six reduce-scatters)."""
+def scattered_whole(src, dst, summed_partial) -> bool:
+    """Whether XLA reduces a partial sum that `dst` splits over the axes it was summed on (a
+    reduce-scatter in the model) into a whole all-reduce and a slice: when another reader
+    sums the value over a dimension `dst` splits on those axes, reading it partial over them
+    (`summed_partial`: (dimension, axis) pairs), XLA hands that reader the whole sum
+    (stale_partials), so the all-reduce's result is read whole (measured: ViT-B/16 on 8x8, a
+    layer norm's input gradient reduce-scattered by batch into its `mul` and summed over the
+    batch by its bias gradient: six all-reduces compiled where the model expected six
+    reduce-scatters; GPT-2 124M on 8x8, the same gradient split by features and summed over
+    batch and sequence: reduce-scatters, as the model expects)."""
     if not src.partial or dst.partial:
         return False
-    split = {a for d in dst.dims for a in d} & set(src.partial)
-    return bool(split & set(read_partial))
+    return any((dim, a) in summed_partial for dim, axes in enumerate(dst.dims)
+               for a in axes if a in src.partial)
 
 
 def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tuple]:
@@ -138,10 +141,13 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
     done = set()
     fanout = {v: chosen[problem.num_real + f].out_specs[0] for f, v in enumerate(problem.fanout_of)}
     stale = stale_partials(problem, chosen, value_specs, fanout)
-    read_partial: dict[int, set] = {}  # value id -> the axes a reader reads it partial over
-    for node in g.nodes:
+    summed_partial: dict[int, set] = {}  # value id -> (dim, axis) a reader sums it over
+    for node in g.nodes:  # (the dimension) while reading it partial (over the axis)
+        if node.primitive != "reduce_sum":
+            continue
         for v, d in zip(node.inputs, chosen[n_in + node.id].in_specs):
-            read_partial.setdefault(v, set()).update(d.partial)
+            summed_partial.setdefault(v, set()).update(
+                (dim, a) for dim in node.params.get("axes", ()) for a in d.partial)
     origins = partial_origins(problem, chosen, value_specs)
 
     def reshard(value, src, dst, where, trips=1.0):
@@ -152,7 +158,7 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
                         for x in (src, dst))
         if src == dst or (value.ndim == 0 and not src.partial) or (value.id, src, dst) in done:
             return
-        if scattered_whole(src, dst, read_partial.get(value.id, ())):
+        if scattered_whole(src, dst, summed_partial.get(value.id, ())):
             reshard(value, src, src.without_partial(), where, trips)
             reshard(value, src.without_partial(), dst, where, trips)
             return
