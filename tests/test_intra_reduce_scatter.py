@@ -64,17 +64,16 @@ def test_a_gradient_split_over_its_summed_axis_compiles_as_planned_on_an_idle_ax
     assert plan.estimate.comm_bytes == pytest.approx(priced.bytes_sent, rel=1e-6)
 
 
-def test_a_sum_another_reader_sums_partial_over_the_split_dimension_is_reduced_whole():
-    """Split over its summed axis for one reader while another sums it over the split
-    dimension reading it partial (a layer norm's input gradient split by batch and its bias
-    gradient): XLA all-reduces it whole; split by a dimension the other reader keeps, it
+def test_a_sum_constrained_whole_another_reader_reads_partial_is_all_reduced():
+    """Constrained whole (an idle axis) and read partial by another reader (a layer norm's
+    input gradient and its bias gradient): XLA all-reduces it whole; with no idle axis it
     reduce-scatters it."""
+    idle, busy = MeshShape(("data", "model"), (4, 2)), MeshShape(("data", "model"), (2, 4))
     src = S(((), ()), ("model",))
-    assert estimate.scattered_whole(src, S.split(2, 0, "model"), {(0, "model")})
-    assert not estimate.scattered_whole(src, S.split(2, 1, "model"), {(0, "model")})
-    assert not estimate.scattered_whole(src, S.split(2, 0, "model"), set())
-    assert not estimate.scattered_whole(src, S.split(2, 0, "data"), {(0, "model")})
-    assert not estimate.scattered_whole(src, S.replicated(2), {(0, "model")})
+    assert estimate.scattered_whole(src, S.split(2, 0, "model"), {"model"}, idle)
+    assert not estimate.scattered_whole(src, S.split(2, 0, "model"), {"model"}, busy)
+    assert not estimate.scattered_whole(src, S.split(2, 0, "model"), set(), idle)
+    assert not estimate.scattered_whole(src, S.replicated(2), {"model"}, idle)
 
 
 def test_reduced_first_only_where_an_idle_axis_could_hold_the_slice():

@@ -207,27 +207,10 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
 
 
 def reduced_first(src: ShardSpec, dst: ShardSpec, mesh: MeshShape) -> list[ShardSpec]:
-    """The whole layout a partial sum is reduced into before it is split over the axes it
-    was summed on (what the model prices as a reduce-scatter: an all-reduce and a slice)
-    where a mesh axis neither layout uses has a multiple of their devices, or nothing. Left
-    to itself XLA's partitioner computes such a sum on a slice taken over that idle axis,
-    all-reduces the slice and moves it to its devices with a collective-permute over both
-    axes (BERT base on 8x8 with the batch on `model`: 25 permutes over the inter-host axis,
-    1.73 ms of the 3.98 ms of communication the a100-80gb profile prices, none planned);
-    constrained whole first, it runs the all-reduce and slice the model priced, which GPU
-    and TPU compilers form into a reduce-scatter. With no idle axis XLA runs that already,
-    and a whole layout constrained on the way costs more (GPT-2 124M on 8x8: 10.50 ->
-    11.42 ms compiled)."""
-    if not src.partial or dst.partial:
-        return []
-    scattered = set(src.partial) & {a for d in dst.dims for a in d}
-    if not scattered:
-        return []
-    used = set(src.used_axes()) | set(dst.used_axes())
-    size = mesh.size(tuple(sorted(scattered)))
-    if any(a not in used and mesh.size((a,)) % size == 0 for a in mesh.useful_axes()):
-        return [src.without_partial()]
-    return []
+    """The whole layout a partial sum is constrained to before it is split over the axes it
+    was summed on, where XLA would otherwise take the slice over an idle axis
+    (estimate.whole_first), or nothing."""
+    return [src.without_partial()] if estimate_mod.whole_first(src, dst, mesh) else []
 
 
 __all__ = ["IntraOptions", "IntraPlan", "plan_intra"]
