@@ -4,18 +4,21 @@ against the compiled program priced by the same profile (shardplan.analysis.pric
 
     .venv/bin/python benchmarks/model_check.py                        # test size, a100 + cpu
     .venv/bin/python benchmarks/model_check.py --models gpt --size gpt2-124m --meshes 2x4
+    .venv/bin/python benchmarks/model_check.py --models bert --size base --meshes 8x8  # 64 CPU devices
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 
-MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
+MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model")),
+          "8x8": ((8, 8), ("data", "model"))}
 
 
 def check(name: str, size: str, mesh_name: str, profile: str, batch: int | None):
@@ -48,7 +51,8 @@ def main(argv=None):
     ap.add_argument("--profiles", nargs="+", default=["a100-80gb", "cpu"])
     ap.add_argument("--batch", type=int, default=None)
     args = ap.parse_args(argv)
-    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_num_cpu_devices",
+                      max(math.prod(MESHES[m][0]) for m in args.meshes))
     print("| model | mesh | profile | bytes pred/compiled | compute pred/compiled | "
           "comm pred/compiled | step pred/compiled |")
     print("|---|---|---|---|---|---|---|")

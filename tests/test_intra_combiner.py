@@ -231,3 +231,30 @@ def test_ilp_pays_the_combined_reduction_latency_once_where_a_gradient_is_reduce
     # a small batch, everything whole: it runs replicated, no gradient is reduced, no latency
     *_, hubs, alone, (hub,) = _solve_pinned(_mlp_step()[1], (whole, whole, whole))
     assert len(hubs) == 1 and alone.choice[hub] == 0
+
+
+def test_the_loss_reduction_runs_alone_where_the_forward_reduces_over_its_devices():
+    """The estimate's combiner (levelled with loss_alone) as the ILP's loss members
+    (intra/loss_hubs.py) price it: the loss's reduction joins the gradients' combined
+    all-reduce, unless the forward pass reduces over the same devices (a split vocabulary's
+    log-sum-exp): then it runs alone."""
+    _, g = _mlp_step()
+    loss = combiner.loss_values(g, CONTRACTIONS)
+    red = [(1.0, Collective("all-reduce", ("x",), 64))]
+    h = next(n for n in g.nodes if n.primitive == "dot_general").outputs[0]
+    assert h in combiner.forward_values(g, loss)
+    grads = {v: red for v in _gradients(g)}
+
+    def combined(edge_reds):
+        alone = combiner.loss_alone(g, loss, {}, edge_reds)
+        return alone, combiner.combine(combiner.levelled(g, {}, edge_reds, alone=alone))
+
+    alone, got = combined({**grads, g.outputs[-1]: red})
+    assert not alone and [c.operands for c in got] == [3]  # the loss's joins the gradients'
+    alone, got = combined({**grads, g.outputs[-1]: red, h: red})
+    assert alone == {(g.outputs[-1], ("x",))}
+    assert sorted(c.operands for c in got) == [1, 1, 2]  # the forward's, the loss's, the grads'
+    # another key's forward reduction leaves the loss's joined
+    other = [(1.0, Collective("all-reduce", ("y",), 64))]
+    alone, got = combined({**grads, g.outputs[-1]: red, h: other})
+    assert not alone

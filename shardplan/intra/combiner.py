@@ -50,7 +50,7 @@ def key(loop: int | None, trips: float, c: Collective) -> tuple:
 
 def levelled(g: Graph, node_reds: Mapping[int, Sequence[tuple[float, Collective]]],
              edge_reds: Mapping[int, Sequence[tuple[float, Collective]]],
-             from_end: bool = True):
+             from_end: bool = True, alone: frozenset[tuple[int, tuple]] = frozenset()):
     """(key, level, trips, Collective) of every reduction: `node_reds` are those a node runs
     (node id -> (trips, Collective)), `edge_reds` those resharding a value runs before its
     readers (value id -> the same). A reduction's level counts the reductions of its key on
@@ -58,7 +58,9 @@ def levelled(g: Graph, node_reds: Mapping[int, Sequence[tuple[float, Collective]
     the end, the gradients' reductions, which no reduction of theirs follows, share level 1
     whatever the reductions before them, as XLA combines them (GPT-2 124M on 2x4: 39 combined
     all-reduces and reduce-scatters counted from the end, 51 from the start, 42 compiled; the
-    zoo at test size: the same counts either way)."""
+    zoo at test size: the same counts either way). `alone`: (value id, sorted axes) of the
+    reductions that run as their own collective (level 0), the loss's where the forward
+    pass reduces over the same devices (loss_alone)."""
     producer = {v: node.id for node in g.nodes for v in node.outputs}
     loops = {v: g.nodes[n].loop for v, n in producer.items()}
     if from_end:  # the same count on the graph with its edges reversed
@@ -78,7 +80,8 @@ def levelled(g: Graph, node_reds: Mapping[int, Sequence[tuple[float, Collective]
             base, lv = lv, dict(lv)
             for trips, c in reds:
                 k = key(loops.get(v), trips, c)
-                out.append((k, base.get(k, 0) + 1, trips, c))
+                own = (v, tuple(sorted(c.axes))) in alone
+                out.append((k, 0 if own else base.get(k, 0) + 1, trips, c))
                 lv[k] = base.get(k, 0) + 1
         after[v] = lv
         return lv
@@ -105,6 +108,32 @@ def levelled(g: Graph, node_reds: Mapping[int, Sequence[tuple[float, Collective]
     for v in edge_reds:
         read(v)  # values no node reads (outputs): their reshards still run
     return out
+
+
+def forward_values(g: Graph, loss: frozenset[int]) -> set[int]:
+    """The values the loss is computed from that the backward pass reads too (what reduces
+    them runs before the loss's reduction and is not the loss's own)."""
+    tied = {v for v, tie in zip(g.outputs, g.output_ties) if tie is not None}
+    return upstream(g, loss) & upstream(g, tied)
+
+
+def loss_alone(g: Graph, loss: frozenset[int],
+               node_reds: Mapping[int, Sequence[tuple[float, Collective]]],
+               edge_reds: Mapping[int, Sequence[tuple[float, Collective]]]
+               ) -> frozenset[tuple[int, tuple]]:
+    """(value id, sorted axes) of the reductions of the loss's last values (`loss`) that XLA
+    runs alone: those over devices the forward pass also reduces over (a split vocabulary's
+    log-sum-exp), as intra/loss_hubs.py prices them in the ILP. XLA's combiner walks the
+    post order and stops a group at the first all-reduce that depends on a member: one of
+    the forward's lands in the gradients' last group, and the loss's runs by itself (a tied
+    64k-vocab embedding on 8 devices compiled to five all-reduces where a plan pricing the
+    loss's as joined expected four)."""
+    forward = forward_values(g, loss)
+    keys = {tuple(sorted(c.axes)) for v in forward for _, c in edge_reds.get(v, ())}
+    keys |= {tuple(sorted(c.axes)) for node in g.nodes if any(v in forward for v in node.outputs)
+             for _, c in node_reds.get(node.id, ())}
+    return frozenset((v, k) for v in loss for _, c in edge_reds.get(v, ())
+                     if (k := tuple(sorted(c.axes))) in keys)
 
 
 def combine(reductions: Iterable[tuple]) -> list[Combined]:

@@ -33,14 +33,6 @@ if TYPE_CHECKING:  # annotations only: problem imports this module
     from shardplan.intra.problem import Problem
 
 
-def _forward(problem: Problem, loss: frozenset[int]) -> set[int]:
-    """The values the loss is computed from that the backward pass reads too (what reduces
-    them runs before the loss's reduction and is not the loss's own)."""
-    g = problem.graph
-    tied = {v for v, tie in zip(g.outputs, g.output_ties) if tie is not None}
-    return combiner.upstream(g, loss) & combiner.upstream(g, tied)
-
-
 def gradient_hubs(problem: Problem, first: int) -> dict[tuple, int]:
     """Mesh axes -> the index of the gradients' hub over them, numbered from `first` as
     hubs.terms numbers them (by their axes' repr, those of no latency left out)."""
@@ -84,7 +76,7 @@ def terms(problem: Problem, hubs_from: int, first: int
                 if _starts(node, s, out_idx, key, loss) else 0.0 for s in strategies])
             if lat.any():
                 payers.setdefault(key, []).append((m, lat))
-    forward = _forward(problem, loss)
+    forward = combiner.forward_values(g, loss)
     joins = gradient_hubs(problem, hubs_from)
     costs: list[np.ndarray] = []
     edges: dict[tuple[int, int], np.ndarray] = {}

@@ -191,6 +191,7 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
             src, route = value_specs[v], []
             for target in (fanout.get(v), dst):
                 if target is not None and target != src:
+                    route += reduced_first(src, target, mesh)
                     route += problem.cost.reshard_path(graph.values[v], src, target)
                     src = target
             route = [x for k, x in enumerate(route) if not x.partial and x != value_specs[v]
@@ -203,6 +204,13 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
                      combined=combined,
                      operand_specs=operand_specs, notes=tuple(notes))
 
+
+
+def reduced_first(src: ShardSpec, dst: ShardSpec, mesh: MeshShape) -> list[ShardSpec]:
+    """The whole layout a partial sum is constrained to before it is split over the axes it
+    was summed on, where XLA would otherwise take the slice over an idle axis
+    (estimate.whole_first), or nothing."""
+    return [src.without_partial()] if estimate_mod.whole_first(src, dst, mesh) else []
 
 
 __all__ = ["IntraOptions", "IntraPlan", "plan_intra"]
