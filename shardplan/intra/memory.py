@@ -48,6 +48,11 @@ MARGIN = 0.10
 # all-reduced copy, loop counters, the offsets of 16-byte alignment): 16 bytes measured on a
 # one-op step (tests/test_fuzz_plans.py), kept with room.
 SMALL_TEMPS = 64.0
+# The ops whose gradients a plan leaves as partial sums of the weights' size: the contractions
+# (a kernel's gradient) and the scatter-add of a gather's (an embedding's). (A bias's
+# reduce_sum is left out: a few hundred bytes, and a global norm's reductions of the
+# gradients, which run after the combined all-reduce, would be taken for one.)
+SUMS = CONTRACTIONS | frozenset({"scatter-add"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -194,7 +199,7 @@ class MemoryModel:
         p = self.problem
         g, root = p.graph, p.groups.root
         grads = combiner.gradient_values(g, CONTRACTIONS)
-        made = [node for node in g.nodes if node.outputs and node.primitive in CONTRACTIONS
+        made = [node for node in g.nodes if node.outputs and node.primitive in SUMS
                 and all(v in grads for v in node.outputs)]
         if not made:
             return
@@ -202,7 +207,7 @@ class MemoryModel:
         for node in made:
             m = p.num_inputs + node.id
             for k, v in enumerate(node.outputs):
-                if not is_tensor(g.values[v]) or v in self.virtual or v not in self.last:
+                if not is_tensor(g.values[v]) or v not in self.last:
                     continue
                 reduced = []
                 for c in range(len(p.strategies[root[m]])):
@@ -214,8 +219,13 @@ class MemoryModel:
                               for c in range(len(reduced))))])
                 if not nbytes.any():
                     continue
-                if self.last[v] < end:
-                    self.buffers.append(Buffer(root[m], nbytes, self.last[v] + 1, end,
+                # a value XLA would fold away (a gather's gradient scattered into the add
+                # that sums it with another) is written when it is reduced: an all-reduce's
+                # operand is a buffer (GPT on 8 devices: the embedding's scattered gradient and
+                # its result in the combined all-reduce, 128 KiB the model missed)
+                held_from = self.pos[node.id] if v in self.virtual else self.last[v] + 1
+                if held_from <= end:
+                    self.buffers.append(Buffer(root[m], nbytes, held_from, end,
                                                f"{node.primitive} {node.name} held for the "
                                                "combined all-reduce"))
                 # the all-reduce writes its results while it reads its operands
