@@ -26,8 +26,8 @@ import numpy as np
 def read(dump_dir: str):
     """(schedule: step -> instruction, buffers: [(name, bytes, start, end, kind)], temp
     allocation bytes) of the latest module dumped in `dump_dir`."""
-    live_file = sorted(glob.glob(os.path.join(dump_dir, "*live-range.txt")),
-                       key=os.path.getmtime)[-1]
+    live_file = max(glob.glob(os.path.join(dump_dir, "*live-range.txt")),
+                    key=os.path.getmtime)
     base = live_file[: -len("-live-range.txt")]
     size, kind, alloc = {}, {}, ""
     with open(base + "-buffer-assignment.txt") as f:
@@ -44,11 +44,11 @@ def read(dump_dir: str):
     with open(live_file) as f:
         text = f.read()
     schedule = {int(m.group(1)): m.group(2)
-                for m in re.finditer(r"^    (\d+):(\S+)$", text, re.M)}
+                for m in re.finditer(r"^    (\d+):(\S+)$", text, re.MULTILINE)}
     ranges = text.split("BufferLiveRange:")[1].split("Live ranges at")[0]
     buffers = []
-    for m in re.finditer(r"^    (\S+):(\d+)-(\d+)$", ranges, re.M):
-        name = m.group(1)[:-2] if m.group(1).endswith("{}") else m.group(1)
+    for m in re.finditer(r"^    (\S+):(\d+)-(\d+)$", ranges, re.MULTILINE):
+        name = m.group(1).removesuffix("{}")
         if name in size:
             buffers.append((name, size[name], int(m.group(2)), int(m.group(3)), kind[name]))
     return schedule, buffers, int(temp.group(1)) if temp else 0

@@ -331,3 +331,44 @@ def test_a_scattered_gradient_the_plan_reduces_is_held_for_the_combined_all_redu
         # a partial sum of the whole table on every device: its bytes while held, else none
         assert held[0].nbytes[k] == (nbytes if partial else 0), (k, held[0].nbytes[k])
     assert any(problem.out_spec(m, 0, k).partial for k in range(len(problem.strategies[root])))
+
+
+def test_two_dots_reading_one_layout_of_a_value_share_its_copy():
+    """XLA gathers a value once for all the readers that want one layout (the first reader's
+    copy is held to the last): at the later dot the model counts that copy and, only when the
+    later dot wants another layout, a copy of its own (counted from the source, the later
+    dot's copy was counted even when it was the held one)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from shardplan.cost.model import AlphaBetaCost
+    from shardplan.intra.problem import IntraOptions, Problem
+
+    def step(w1, w2, x):
+        return jnp.sum(jnp.tanh(x @ w1) * jnp.exp(x @ w2))
+
+    args = (jnp.ones((16, 32)), jnp.ones((16, 32)), jnp.ones((64, 16)))
+    traced = trace(step, args, (0, 1), (2,))
+    graph = lift(traced.closed_jaxpr, traced.arg_info)
+    mesh = MeshShape(("d",), (8,))
+    problem = Problem(graph, mesh, AlphaBetaCost(mesh, get_profile("cpu")), IntraOptions())
+    model = problem.memory()
+    x = graph.inputs[2]
+    dots = sorted((n for n in graph.nodes if n.primitive == "dot_general"),
+                  key=lambda n: model.pos[n.id])
+    assert len(dots) == 2 and all(d.inputs[0] == x for d in dots)
+    roots = [problem.groups.root[problem.num_inputs + d.id] for d in dots]
+    rx = problem.groups.root[2]
+    split = next(k for k in range(len(problem.strategies[rx]))
+                 if problem.out_spec(2, 0, k).dims[0])  # x split by rows
+    whole = [next(k for k in range(len(problem.strategies[r]))
+                  if not any(problem.in_spec(problem.num_inputs + d.id, 0, k).dims))
+             for d, r in zip(dots, roots)]  # each dot reads x whole
+    choice = {r: 0 for r in problem.roots}
+    choice.update({rx: split, roots[0]: whole[0], roots[1]: whole[1]})
+    at = model.pos[dots[1].id]
+    copies = [c for c in model.copies if c.what.startswith(f"reshard of v{x} ")
+              and c.start <= at <= c.end and c.key_a[choice[c.a]] != c.key_b[choice[c.b]]]
+    # one gathered x held from the first dot to the second, none of the second's own
+    assert len(copies) == 1, [c.what for c in copies]
+    assert np.isclose(copies[0].bytes_b[whole[0]], graph.values[x].nbytes)

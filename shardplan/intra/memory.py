@@ -295,7 +295,7 @@ class MemoryModel:
             # (an optimizer's update reads a weight in its own layout, not the gathered one).
             heavy = [self.pos[m - p.num_inputs] for m, _ in movers
                      if g.nodes[m - p.num_inputs].primitive not in FUSED]
-            seen, lead = set(), None
+            seen, lead, held = set(), None, None
             for m, i in sorted(movers, key=lambda mi: self.pos[mi[0] - p.num_inputs]):
                 rm = root[m]
                 dsts = lay.of(m, "in", i)
@@ -323,8 +323,18 @@ class MemoryModel:
                              else -lay.sized(g.values[v], lead[1]))
                     self.copies.append(Copy(lead[0], kl, grows, rm, km, nbytes, first, at - 1,
                                             f"hoisted reshard of v{v} for {what}"))
-                self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start, last,
-                                        f"reshard of v{v} for {what}"))
+                if held is not None and g.nodes[m - p.num_inputs].primitive not in FUSED:
+                    # The first reader's copy is held to this one (last, above): XLA reads it
+                    # here too when the layouts are one, and makes a copy of its own only when
+                    # they differ (counted from the source, a layout equal to both was counted
+                    # twice here: BERT's logits' operand at its backward dot)
+                    kh, km, _ = lay.keys(held[1], dsts)
+                    self.copies.append(Copy(held[0], kh, np.zeros(len(kh)), rm, km, nbytes,
+                                            start, last, f"reshard of v{v} for {what}"))
+                else:
+                    self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start,
+                                            last, f"reshard of v{v} for {what}"))
+                    held = held or (rm, dsts)
                 if primitives.info(g.nodes[m - p.num_inputs].primitive).leader:
                     # A gathered operand of a dot is copied once more into the layout the dot
                     # reads (XLA's layout assignment), for the moment of the dot.
