@@ -53,6 +53,7 @@ SMALL_TEMPS = 64.0
 # reduce_sum is left out: a few hundred bytes, and a global norm's reductions of the
 # gradients, which run after the combined all-reduce, would be taken for one.)
 SUMS = CONTRACTIONS | frozenset({"scatter-add"})
+CONV = "conv_general_dilated"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -184,6 +185,22 @@ class MemoryModel:
                     self.copies.append(Copy(root[m], ka, scale * sizes(v, m, k), root[t], kb,
                                             np.zeros(len(kb)), pos[node.id], pos[node.id],
                                             f"state {t} computed in another layout"))
+        for node in g.nodes:
+            # XLA:CPU convolves NHWC operands with HWIO kernels: an operand laid out otherwise
+            # (a kernel gradient's images, whose batch is their channels) is first copied
+            # transposed, hoisted when only inputs feed it (ViT on 8 devices: its images
+            # transposed at the start, held to the backward convolution; 1.074x compiled)
+            dn = node.params.get("dimension_numbers") if node.primitive == CONV else None
+            for i, spec in enumerate((dn.lhs_spec, dn.rhs_spec) if dn else ()):
+                n_, v, m = len(spec), node.inputs[i], p.num_inputs + node.id
+                if tuple(spec) == ((0, n_ - 1, *range(1, n_ - 1)) if i == 0
+                                   else (n_ - 1, n_ - 2, *range(n_ - 2))):
+                    continue
+                nbytes = scale * np.ceil([cost.value_bytes(g.values[v], p.in_spec(m, i, k))
+                                          for k in range(len(p.strategies[root[m]]))])
+                self.buffers.append(Buffer(
+                    root[m], nbytes, min(self.first if v in static else end, pos[node.id]),
+                    pos[node.id], f"v{v} transposed for {node.primitive} {node.name}"))
         self._add_combined_holds(is_tensor)
         self._add_operand_copies(is_tensor)
 
