@@ -383,7 +383,7 @@ def test_a_convolution_reading_its_operand_in_another_layout_holds_a_transposed_
     from shardplan.cost.model import AlphaBetaCost
     from shardplan.intra.problem import IntraOptions, Problem
 
-    m, graph = _graph("vit")
+    _, graph = _graph("vit")
     mesh = MeshShape(("d",), (8,))
     problem = Problem(graph, mesh, AlphaBetaCost(mesh, get_profile("cpu")), IntraOptions())
     model = problem.memory()
