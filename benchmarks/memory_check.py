@@ -7,10 +7,9 @@ budget is planned (`shardplan.auto(..., memory_budget=b)`), compiled, and the co
 estimate (to be within TOLERANCE) and the budget. Under a budget on devices the planner
 compiles its plan to check it (shardplan.fit): the estimate is then the compiled program's, and
 `compiled/model` sets the compiled peak against the memory model's own estimate. To see where the memory model and XLA
-differ, compile with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text": DIR's
-*live-range.txt lists the buffers live at XLA's peak ("Live ranges at N (peak)") and their
-total ("Stack trace breakdown for peak usage"); the rest of memory_analysis' temp is the heap's
-gaps.
+differ, compile with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text" and read XLA's live
+set with benchmarks/xla_live.py DIR (from the buffers' intervals: the dump's own "Live ranges at
+N (peak)" is not memory_analysis' peak); the rest of memory_analysis' temp is the heap's gaps.
 
     .venv/bin/python benchmarks/memory_check.py                 # mlp gpt bert llama moe vit
     .venv/bin/python benchmarks/memory_check.py --models mlp --meshes 2x4 --measure

@@ -289,3 +289,110 @@ def test_gradients_reduced_together_are_held_until_their_combined_all_reduce(mes
     assert compiled.as_text().count(" all-reduce(") == 1  # the gradients', combined
     peak = hlo.analyze(compiled).peak_bytes
     assert abs(peak / plan.estimate.peak_bytes - 1) <= TOLERANCE, (peak, plan.estimate.peak_bytes)
+
+
+def test_a_scattered_gradient_the_plan_reduces_is_held_for_the_combined_all_reduce():
+    """A tied embedding's gradient is a scatter-add (the lookup's) plus a dot (the logits'):
+    XLA scatters into the add's other operand in place (never written) unless the plan
+    reduces the scatter's partial sum itself; then it is an operand of the gradients' combined
+    all-reduce, held until it runs, and its result is written with it (GPT on 8 devices: the
+    embedding's scattered gradient and its all-reduced copy, 128 KiB at XLA's peak that the
+    model missed)."""
+    import jax.numpy as jnp
+
+    from shardplan.cost.model import AlphaBetaCost
+    from shardplan.intra.problem import IntraOptions, Problem
+
+    def step(emb, tokens):
+        def loss(e):
+            h = e[tokens]  # [b, s, d]
+            logits = h @ e.T
+            return jnp.mean(jax.nn.logsumexp(logits, axis=-1))
+
+        return emb - 0.1 * jax.grad(loss)(emb)
+
+    args = (jnp.ones((64, 16)), jnp.zeros((8, 4), jnp.int32))
+    traced = trace(step, args, (0,), (1,))
+    graph = lift(traced.closed_jaxpr, traced.arg_info)
+    mesh = MeshShape(("d",), (8,))
+    problem = Problem(graph, mesh, AlphaBetaCost(mesh, get_profile("cpu")), IntraOptions())
+    model = problem.memory()
+    scatter = next(n for n in graph.nodes if n.primitive == "scatter-add")
+    assert scatter.outputs[0] in model.virtual  # folded into the add when not reduced
+    m = problem.num_inputs + scatter.id
+    root = problem.groups.root[m]
+    held = [b for b in model.buffers if b.root == root and "scatter-add" in b.what
+            and "combined all-reduce" in b.what]
+    reduced = [b for b in model.buffers if b.root == root and b.what.endswith("all-reduced")]
+    assert held and reduced
+    nbytes = graph.values[scatter.outputs[0]].nbytes
+    for k in range(len(problem.strategies[root])):
+        partial = bool(problem.out_spec(m, 0, k).partial)
+        # a partial sum of the whole table on every device: its bytes while held, else none
+        assert held[0].nbytes[k] == (nbytes if partial else 0), (k, held[0].nbytes[k])
+    assert any(problem.out_spec(m, 0, k).partial for k in range(len(problem.strategies[root])))
+
+
+def test_two_dots_reading_one_layout_of_a_value_share_its_copy():
+    """XLA gathers a value once for all the readers that want one layout (the first reader's
+    copy is held to the last): at the later dot the model counts that copy and, only when the
+    later dot wants another layout, a copy of its own (counted from the source, the later
+    dot's copy was counted even when it was the held one)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from shardplan.cost.model import AlphaBetaCost
+    from shardplan.intra.problem import IntraOptions, Problem
+
+    def step(w1, w2, x):
+        return jnp.sum(jnp.tanh(x @ w1) * jnp.exp(x @ w2))
+
+    args = (jnp.ones((16, 32)), jnp.ones((16, 32)), jnp.ones((64, 16)))
+    traced = trace(step, args, (0, 1), (2,))
+    graph = lift(traced.closed_jaxpr, traced.arg_info)
+    mesh = MeshShape(("d",), (8,))
+    problem = Problem(graph, mesh, AlphaBetaCost(mesh, get_profile("cpu")), IntraOptions())
+    model = problem.memory()
+    x = graph.inputs[2]
+    dots = sorted((n for n in graph.nodes if n.primitive == "dot_general"),
+                  key=lambda n: model.pos[n.id])
+    assert len(dots) == 2 and all(d.inputs[0] == x for d in dots)
+    roots = [problem.groups.root[problem.num_inputs + d.id] for d in dots]
+    rx = problem.groups.root[2]
+    split = next(k for k in range(len(problem.strategies[rx]))
+                 if problem.out_spec(2, 0, k).dims[0])  # x split by rows
+    whole = [next(k for k in range(len(problem.strategies[r]))
+                  if not any(problem.in_spec(problem.num_inputs + d.id, 0, k).dims))
+             for d, r in zip(dots, roots)]  # each dot reads x whole
+    choice = {r: 0 for r in problem.roots}
+    choice.update({rx: split, roots[0]: whole[0], roots[1]: whole[1]})
+    at = model.pos[dots[1].id]
+    copies = [c for c in model.copies if c.what.startswith(f"reshard of v{x} ")
+              and c.start <= at <= c.end and c.key_a[choice[c.a]] != c.key_b[choice[c.b]]]
+    # one gathered x held from the first dot to the second, none of the second's own
+    assert len(copies) == 1, [c.what for c in copies]
+    assert np.isclose(copies[0].bytes_b[whole[0]], graph.values[x].nbytes)
+
+
+def test_a_convolution_reading_its_operand_in_another_layout_holds_a_transposed_copy():
+    """XLA:CPU convolves NHWC images with HWIO kernels: the kernel gradient's convolution reads
+    the images with their channels as its batch, so XLA copies them transposed, at the start
+    (only inputs feed the copy), and holds the copy to the backward convolution (ViT at test
+    size on 8 devices: 96 KiB live from the start that the model missed, compiled 1.074x its
+    estimate). The forward convolution reads them as they are: no copy."""
+    from shardplan.cost.model import AlphaBetaCost
+    from shardplan.intra.problem import IntraOptions, Problem
+
+    _, graph = _graph("vit")
+    mesh = MeshShape(("d",), (8,))
+    problem = Problem(graph, mesh, AlphaBetaCost(mesh, get_profile("cpu")), IntraOptions())
+    model = problem.memory()
+    convs = [n for n in graph.nodes if n.primitive == "conv_general_dilated"]
+    images = convs[0].inputs[0]
+    assert images in graph.inputs and len(convs) == 2
+    copies = [b for b in model.buffers if "transposed for" in b.what]
+    backward = [b for b in copies if b.what.startswith(f"v{images} ")]
+    assert len(backward) == 1 and backward[0].start == model.first
+    assert backward[0].end == model.pos[convs[1].id]
+    assert not any(b.end == model.pos[convs[0].id] for b in copies)  # the forward reads NHWC
+    assert backward[0].nbytes.max() >= graph.values[images].nbytes / 8

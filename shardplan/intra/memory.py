@@ -17,7 +17,9 @@ It follows what `compiled.memory_analysis()` counts (argument + output + temp - 
   result (a norm's 1/std times its scale) is written as its two broadcast operands; a scan's
   stacked ys are made before the first layer; a weight that a later dot reads in a larger
   layout than the first one's is held in the larger from the first layer; gradients reduced
-  by XLA's combined all-reduce are held until it runs, and its results are live with them.
+  by XLA's combined all-reduce (a scattered one too) are held until it runs, and its results
+  are live with them; a later dot shares the copy an earlier reader holds when their layouts
+  are one; a convolution's operand laid out otherwise than NHWC/HWIO is copied transposed.
 What remains (XLA's heap gaps, the rest of its schedule) is the margin (MARGIN).
 """
 
@@ -34,20 +36,28 @@ from shardplan.intra.liveness import GENERATORS, lifetimes, schedule
 from shardplan.ir import primitives
 
 # What the model does not see of XLA's buffers, as a share of the step's activations (every
-# buffer but its inputs and outputs, which it counts exactly). Set against XLA's own liveness
-# (the live-range dump, --xla_dump_to: "Stack trace breakdown for peak usage") on the zoo at
-# test size, the model's live set at its peak came to -8% .. +17% of XLA's (2x4: gpt -0.6%,
-# bert -0.1%, vit -0.5%, llama -3.3%, moe +5.9%, 1-layer gpt +10%; 8 devices at tight budgets:
-# gpt -8%, llama +17%); what memory_analysis() reports is more: XLA's heap packs the
-# temporaries into one allocation with gaps, 4-6% above their live peak for a GPT or BERT
-# (1.064, 1.057, llama 1.04) and up to 1.76x for the MLP's few kilobytes. The margin covers
-# the gaps and part of the model's error in XLA's favour; it is uncertain (a measured spread,
-# not a model of the heap), and the plan's notes say so.
+# buffer but its inputs and outputs, which it counts exactly). XLA's heap gaps are small: its
+# temp allocation is 0.1-5.0% above the temporaries' live peak on the zoo at test size
+# (benchmarks/xla_live.py, from the buffers' intervals; the dump's "Live ranges at N (peak)",
+# once read for 4-6%, is not memory_analysis' peak). The rest is the model's own error, both
+# ways: with this margin, the estimates of the zoo at three budgets on 8 and 2x4 devices
+# (benchmarks/memory_check.py) came to 0.93-1.00 of the compiled peak on 8 devices and
+# 0.84-1.08 on 2x4, where XLA holds a resharded dropout mask as booleans (the model: the
+# generator's two words and the copy), fuses a layer norm's product into its reshard, and
+# keeps a value only in its copy (the MoE on 2x4: the model's live set 21% above XLA's before
+# the margin). The margin is a measured spread, not a model of the heap;
+# the plan's notes say so, and under a budget on devices the plan is compiled and checked.
 MARGIN = 0.10
 # Scalars XLA:CPU's temp allocation holds that the model does not list (a partial sum and its
 # all-reduced copy, loop counters, the offsets of 16-byte alignment): 16 bytes measured on a
 # one-op step (tests/test_fuzz_plans.py), kept with room.
 SMALL_TEMPS = 64.0
+# The ops whose gradients a plan leaves as partial sums of the weights' size: the contractions
+# (a kernel's gradient) and the scatter-add of a gather's (an embedding's). (A bias's
+# reduce_sum is left out: a few hundred bytes, and a global norm's reductions of the
+# gradients, which run after the combined all-reduce, would be taken for one.)
+SUMS = CONTRACTIONS | frozenset({"scatter-add"})
+CONV = "conv_general_dilated"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -179,6 +189,22 @@ class MemoryModel:
                     self.copies.append(Copy(root[m], ka, scale * sizes(v, m, k), root[t], kb,
                                             np.zeros(len(kb)), pos[node.id], pos[node.id],
                                             f"state {t} computed in another layout"))
+        for node in g.nodes:
+            # XLA:CPU convolves NHWC operands with HWIO kernels: an operand laid out otherwise
+            # (a kernel gradient's images, whose batch is their channels) is first copied
+            # transposed, hoisted when only inputs feed it (ViT on 8 devices: its images
+            # transposed at the start, held to the backward convolution; 1.074x compiled)
+            dn = node.params.get("dimension_numbers") if node.primitive == CONV else None
+            for i, spec in enumerate((dn.lhs_spec, dn.rhs_spec) if dn else ()):
+                n_, v, m = len(spec), node.inputs[i], p.num_inputs + node.id
+                if tuple(spec) == ((0, n_ - 1, *range(1, n_ - 1)) if i == 0
+                                   else (n_ - 1, n_ - 2, *range(n_ - 2))):
+                    continue
+                nbytes = scale * np.ceil([cost.value_bytes(g.values[v], p.in_spec(m, i, k))
+                                          for k in range(len(p.strategies[root[m]]))])
+                self.buffers.append(Buffer(
+                    root[m], nbytes, min(self.first if v in static else end, pos[node.id]),
+                    pos[node.id], f"v{v} transposed for {node.primitive} {node.name}"))
         self._add_combined_holds(is_tensor)
         self._add_operand_copies(is_tensor)
 
@@ -194,7 +220,7 @@ class MemoryModel:
         p = self.problem
         g, root = p.graph, p.groups.root
         grads = combiner.gradient_values(g, CONTRACTIONS)
-        made = [node for node in g.nodes if node.outputs and node.primitive in CONTRACTIONS
+        made = [node for node in g.nodes if node.outputs and node.primitive in SUMS
                 and all(v in grads for v in node.outputs)]
         if not made:
             return
@@ -202,7 +228,7 @@ class MemoryModel:
         for node in made:
             m = p.num_inputs + node.id
             for k, v in enumerate(node.outputs):
-                if not is_tensor(g.values[v]) or v in self.virtual or v not in self.last:
+                if not is_tensor(g.values[v]) or v not in self.last:
                     continue
                 reduced = []
                 for c in range(len(p.strategies[root[m]])):
@@ -214,8 +240,13 @@ class MemoryModel:
                               for c in range(len(reduced))))])
                 if not nbytes.any():
                     continue
-                if self.last[v] < end:
-                    self.buffers.append(Buffer(root[m], nbytes, self.last[v] + 1, end,
+                # a value XLA would fold away (a gather's gradient scattered into the add
+                # that sums it with another) is written when it is reduced: an all-reduce's
+                # operand is a buffer (GPT on 8 devices: the embedding's scattered gradient and
+                # its result in the combined all-reduce, 128 KiB the model missed)
+                held_from = self.pos[node.id] if v in self.virtual else self.last[v] + 1
+                if held_from <= end:
+                    self.buffers.append(Buffer(root[m], nbytes, held_from, end,
                                                f"{node.primitive} {node.name} held for the "
                                                "combined all-reduce"))
                 # the all-reduce writes its results while it reads its operands
@@ -285,7 +316,7 @@ class MemoryModel:
             # (an optimizer's update reads a weight in its own layout, not the gathered one).
             heavy = [self.pos[m - p.num_inputs] for m, _ in movers
                      if g.nodes[m - p.num_inputs].primitive not in FUSED]
-            seen, lead = set(), None
+            seen, lead, held = set(), None, None
             for m, i in sorted(movers, key=lambda mi: self.pos[mi[0] - p.num_inputs]):
                 rm = root[m]
                 dsts = lay.of(m, "in", i)
@@ -313,8 +344,18 @@ class MemoryModel:
                              else -lay.sized(g.values[v], lead[1]))
                     self.copies.append(Copy(lead[0], kl, grows, rm, km, nbytes, first, at - 1,
                                             f"hoisted reshard of v{v} for {what}"))
-                self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start, last,
-                                        f"reshard of v{v} for {what}"))
+                if held is not None and g.nodes[m - p.num_inputs].primitive not in FUSED:
+                    # The first reader's copy is held to this one (last, above): XLA reads it
+                    # here too when the layouts are one, and makes a copy of its own only when
+                    # they differ (counted from the source, a layout equal to both was counted
+                    # twice here: BERT's logits' operand at its backward dot)
+                    kh, km, _ = lay.keys(held[1], dsts)
+                    self.copies.append(Copy(held[0], kh, np.zeros(len(kh)), rm, km, nbytes,
+                                            start, last, f"reshard of v{v} for {what}"))
+                else:
+                    self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start,
+                                            last, f"reshard of v{v} for {what}"))
+                    held = held or (rm, dsts)
                 if primitives.info(g.nodes[m - p.num_inputs].primitive).leader:
                     # A gathered operand of a dot is copied once more into the layout the dot
                     # reads (XLA's layout assignment), for the moment of the dot.
