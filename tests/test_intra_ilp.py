@@ -97,3 +97,37 @@ def test_joint_ties_are_broken_the_same_way_every_run():
     assert len({s.choice for s in sols}) == 1
     assert sols[0].optimal
     assert sols[0].objective == pytest.approx(brute_force(inp).objective)
+
+
+def test_time_is_kept_for_cp_sat_when_highs_finds_no_plan_that_fits(monkeypatch):
+    """Under a budget and a deadline HiGHS has MIP_SHARE of the time; when it finds nothing
+    (and no fallback fits) CP-SAT looks for any plan that fits, rows added lazily, instead of
+    a SearchTimeout while a plan that fits exists."""
+    import dataclasses
+
+    from shardplan.intra import ilp, linear
+    from shardplan.units import Deadline
+
+    rng = np.random.default_rng(0)
+    n, k = 12, 3
+    costs = tuple(rng.uniform(0, 1, size=k) for _ in range(n))
+    edges = tuple((i, i + 1, rng.uniform(0, 1, size=(k, k))) for i in range(n - 1))
+    # more rows than one round, so they are added lazily; the budget fits the smallest layouts
+    rows = tuple(tuple((int(i), np.array([8.0, 4.0, 2.0])) for i in rng.choice(n, 4, False))
+                 for _ in range(3 * ilp.ROWS_PER_ROUND))
+    inp = SolverInput(costs, edges, rows, 20.0, time_limit_s=5, deadline=Deadline(5.0))
+    seen = []
+
+    def no_plan(sub):
+        seen.append(sub.remaining())
+        return "timeout", None
+
+    monkeypatch.setattr(linear, "mip", no_plan)
+    monkeypatch.setattr(ilp, "greedy_choices", lambda _: [])
+    sol = solve(inp)
+    assert sol.solver == "cp-sat" and not sol.optimal
+    assert evaluate(inp, sol.choice)[1] <= 20.0
+    assert seen and max(seen) <= 5.0 * 1.2 * ilp.MIP_SHARE + 1e-6  # 1.2: the grace
+    # without a deadline nothing is kept back: HiGHS's timeout is the search's
+    with pytest.raises(ilp.SearchTimeout):
+        solve(dataclasses.replace(inp, deadline=None))

@@ -174,6 +174,9 @@ def _min_peak_brute(inp: SolverInput) -> float:
 
 
 ROWS_PER_ROUND = 8
+# Under a memory budget and a deadline, HiGHS's share of the time; the rest is kept for CP-SAT
+# to find any plan that fits if HiGHS found none (solve, _any_fitting).
+MIP_SHARE = 0.7
 
 
 def _restrict(inp: SolverInput, active) -> SolverInput:
@@ -220,6 +223,12 @@ def solve(inp: SolverInput) -> Solution:
     if inp.num_nodes == 0:
         return Solution((), 0.0, 0.0, True, "empty")
     budget = inp.memory_budget
+    whole = inp
+    kept = budget is not None and inp.deadline is not None
+    if kept:
+        # HiGHS gets most of the time; the rest is kept for CP-SAT to find any plan that fits
+        inp = dataclasses.replace(inp, deadline=Deadline(inp.deadline.remaining() * MIP_SHARE,
+                                                         grace=0.0))
     reduced = presolve.reduce(linear.perturbed(inp))
     core = reduced.inp
     lazy = budget is not None and len(inp.memory_rows) > ROWS_PER_ROUND
@@ -229,7 +238,7 @@ def solve(inp: SolverInput) -> Solution:
         try:
             found = _solve_rows(sub)
         except _Infeasible:
-            value, exact, least = least_memory(inp)
+            value, exact, least = least_memory(whole)
             raise InfeasibleMemory(budget, value, exact, found_bytes=least) from None
         if found is None:
             break
@@ -253,8 +262,31 @@ def solve(inp: SolverInput) -> Solution:
     if fits:
         obj, choice, peak = min(fits)
         return Solution(choice, obj, peak, False, "fallback")
+    if kept and (found := _any_fitting(whole, active if lazy else None)):
+        return found
     raise SearchTimeout(inp.deadline.limit_s if inp.deadline is not None else inp.time_limit_s,
                         "the ILP found no plan that fits within its time limit")
+
+
+def _any_fitting(inp: SolverInput, active: set[int] | None) -> Solution | None:
+    """A plan that fits the budget, found by CP-SAT in the time kept from HiGHS (which can spend
+    it all on a tight budget finding none: llama at test size on 8 devices, 30 s, a budget
+    1.25x the least found), rows added lazily as in solve; None if none is found in time."""
+    while inp.remaining() > 0:
+        sub = _restrict(inp, active) if active is not None else inp
+        model, x = cpsat.build_model(sub, minimise_memory=False)
+        solver = cpsat.solver_for(sub)
+        if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        choice = tuple(next(k for k, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
+        obj, peak = evaluate(inp, choice)
+        over = _top_rows(inp, choice, inp.memory_budget, active) if active is not None else []
+        if not over and np.isfinite(obj) and peak <= inp.memory_budget:
+            return Solution(choice, obj, peak, False, "cp-sat")
+        if not over:
+            return None
+        active = active | set(over)
+    return None
 
 
 def greedy_choices(inp: SolverInput) -> list[tuple[int, ...]]:
