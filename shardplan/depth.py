@@ -20,13 +20,12 @@ figure shrinks with depth, the candidate is compiled in full (`measure.measure`)
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Callable, Sequence
 
 from shardplan import measure
-from shardplan.analysis.price import KindCost, PricedStep
 from shardplan.analysis import target
+from shardplan.analysis.price import KindCost, PricedStep
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.intra import liveness
 from shardplan.ir.graph import Graph
