@@ -121,25 +121,31 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
 
 # -- measured selection ---------------------------------------------------------------------
 
-# The cut-down copies of a deep zoo step are built at this many layers and one more.
-CUT_DEPTH = 2
-
-
-def shallow_copies(config: Config, work: Workload) -> depth.Shallow | None:
-    """The config's zoo step rebuilt with CUT_DEPTH and CUT_DEPTH + 1 layers, traced and lifted
-    (shardplan.depth), where it has `num_layers` and at least depth.MIN_LAYERS of them."""
-    layers = getattr(getattr(work.step, "config", None), "num_layers", None)
-    if config.model.name is None or not isinstance(layers, int) or layers < depth.MIN_LAYERS:
+def shallow_copies(config: Config, work: Workload, period: int = 1) -> depth.Shallow | None:
+    """The config's zoo step rebuilt with fewer layers (at depth.cut_depths of its layers'
+    `period`), traced and lifted (shardplan.depth), where it has `num_layers` and at least
+    depth.MIN_LAYERS of them."""
+    layers = _layers(config, work)
+    if layers is None:
         return None
+    first, second = depth.cut_depths(period)
     traced, graphs = [], []
-    for k in (CUT_DEPTH, CUT_DEPTH + 1):
+    for k in (first, second):
         model = config.model.model_copy(
             update={"overrides": {**config.model.overrides, "num_layers": k}})
         cut = build_workload(config.model_copy(update={"model": model}))
         t, g = _traced(cut, config.search_options())
         traced.append(t)
         graphs.append(g)
-    return depth.Shallow(layers, CUT_DEPTH, tuple(traced), tuple(graphs))
+    return depth.Shallow(layers, first, tuple(traced), tuple(graphs), period)
+
+
+def _layers(config: Config, work: Workload) -> int | None:
+    """The zoo step's `num_layers` where it has at least depth.MIN_LAYERS of them."""
+    layers = getattr(getattr(work.step, "config", None), "num_layers", None)
+    if config.model.name is None or not isinstance(layers, int) or layers < depth.MIN_LAYERS:
+        return None
+    return layers
 
 
 def measured(config: Config, work: Workload, plan, options, phases: Phases):
@@ -157,8 +163,11 @@ def measured(config: Config, work: Workload, plan, options, phases: Phases):
     options = options.replace(hints=hints_mod.with_boxes(options.hints, work.args))
     traced, graph = _traced(work, options)
     mesh = cpu_mesh(plan.mesh)
-    with phases(f"building {work.label} cut down to {CUT_DEPTH} and {CUT_DEPTH + 1} layers"):
-        shallow = shallow_copies(config, work)
+    shallow, repeats = None, depth.layer_period(graph)
+    if _layers(config, work) is not None and repeats is not None:
+        a, b = depth.cut_depths(repeats[1])
+        with phases(f"building {work.label} cut down to {a} and {b} layers"):
+            shallow = shallow_copies(config, work, repeats[1])
     compile_one = depth.compiler(graph, traced, shallow, mesh, hw, traced.state_argnums)
     with phases(f"compiling and pricing the candidates on mesh {label}"):
         kept = select_measured(traced, graph, plan, plan.mesh, hw, options,
@@ -224,8 +233,9 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
         complete = completer(graph, traced, plan.mesh, hw, options, Deadline(options.time_limit),
                              device_mesh=mesh)
         written = expert_plans(graph, plan, complete=complete)
-        compile_one = depth.compiler(graph, traced, shallow_copies(config, work), mesh, hw,
-                                     traced.state_argnums)
+        repeats = depth.layer_period(graph)
+        shallow = shallow_copies(config, work, repeats[1]) if repeats else None
+        compile_one = depth.compiler(graph, traced, shallow, mesh, hw, traced.state_argnums)
         if wanted is None:
             wanted = list(written)
         for name in wanted:

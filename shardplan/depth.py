@@ -11,9 +11,10 @@ read off the line. tests/test_depth.py checks it against the full compile (GPT, 
 
 Where it applies, and nothing else: the plan maps node for node onto the cut-down step. The
 layers are found by the `layer_<i>` scope of the nodes (the zoo's unrolled blocks; the
-optimizer's updates by their parameter's name); every layer must be the same sequence of
-operators and shapes, and the full step with layers k.. removed must be the cut-down step,
-operator for operator and input for input. Otherwise, or when a cut-down compile fails or a
+optimizer's updates by their parameter's name); the layers must repeat (every layer the same
+sequence of operators and shapes, or every p-th: MoE layers between dense ones, cut at k and
+k + p), and the full step with layers k.. removed must be the cut-down step, operator for
+operator and input for input. Otherwise, or when a cut-down compile fails or a
 figure shrinks with depth, the candidate is compiled in full (`measure.measure`).
 """
 
@@ -36,6 +37,14 @@ _LAYER = re.compile(r"(?<![A-Za-z0-9])layer_(\d+)(?![0-9])")
 
 # Below this many layers the full compile is cheap enough: two cut-down compiles save little.
 MIN_LAYERS = 6
+
+
+def cut_depths(period: int, least: int = 2) -> tuple[int, int]:
+    """The two depths to compile a step whose layers repeat every `period` at: the first
+    multiple of the period from `least` (the first layer, after the embedding, can differ
+    from the next; from 2 on they add alike), and one period more."""
+    first = -(-least // period) * period
+    return first, first + period
 
 
 def node_layers(graph: Graph) -> tuple[list[int | None], list[int | None]]:
@@ -63,27 +72,29 @@ def _signature(graph: Graph, node) -> tuple:
             tuple(str(graph.values[v].dtype) for v in node.outputs))
 
 
-def num_layers(graph: Graph) -> int | None:
-    """How many identical layers the step repeats (the same operators and shapes, the same
-    parameter names but the index), or None when it has no unrolled stack of them."""
+def layer_period(graph: Graph) -> tuple[int, int] | None:
+    """(layers, period): how many layers the step repeats and every how many layers they
+    repeat alike (the same operators and shapes, the same parameter names but the index:
+    1 for a stack of one block, 2 for MoE layers between dense ones), or None when it has no
+    unrolled stack of them."""
     if graph.loops:  # a scanned stack is compiled once already: nothing to cut
         return None
     ins, nodes = node_layers(graph)
     found = sorted({layer for layer in nodes if layer is not None})
     if not found or found != list(range(len(found))):
         return None
-    per: dict[int, list] = {}
+    per: dict[int, list] = {i: [] for i in found}
     for node, layer in zip(graph.nodes, nodes):
         if layer is not None:
-            per.setdefault(layer, []).append(_signature(graph, node))
-    names: dict[int, list] = {}
+            per[layer].append(_signature(graph, node))
     for name, layer in zip(graph.input_names, ins):
         if layer is not None:
-            names.setdefault(layer, []).append(_LAYER.sub("layer_", name))
-    first = (per[0], sorted(names.get(0, [])))
-    if any((per[i], sorted(names.get(i, []))) != first for i in found):
-        return None
-    return len(found)
+            per[layer].append(_LAYER.sub("layer_", name))
+    n = len(found)
+    for p in range(1, n // 2 + 1):
+        if n % p == 0 and all(per[i] == per[i % p] for i in found):
+            return n, p
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +160,14 @@ def map_plan(plan: Plan, m: CutMap) -> Plan | None:
         constraints=constraints, operand_specs=routes)
 
 
-def extrapolate(a: PricedStep, b: PricedStep, depth: int, layers: int) -> PricedStep | None:
-    """The priced step at `layers` layers from its prices at `depth` (a) and depth + 1 (b):
-    every figure a + (layers - depth) * (b - a); None when one shrinks with depth (the
-    layers do not add alike) or a collective kind is in one program and not the other."""
-    n = layers - depth
+def extrapolate(a: PricedStep, b: PricedStep, depth: int, layers: int,
+                period: int = 1) -> PricedStep | None:
+    """The priced step at `layers` layers from its prices at `depth` (a) and depth + period
+    (b): every figure a + (layers - depth) / period * (b - a); None when one shrinks with
+    depth (the layers do not add alike) or a collective kind is in one program only."""
+    if (layers - depth) % period:
+        return None
+    n = (layers - depth) // period
 
     def line(x: float, y: float) -> float:
         return y + (n - 1) * (y - x)
@@ -178,12 +192,18 @@ def extrapolate(a: PricedStep, b: PricedStep, depth: int, layers: int) -> Priced
 
 @dataclasses.dataclass(frozen=True)
 class Shallow:
-    """The step cut down to `depth` and `depth` + 1 layers (traced), for a step of `layers`."""
+    """The step cut down to `depth` and `depth` + `period` layers (traced and lifted), for a
+    step of `layers` that repeat every `period` (layer_period)."""
 
     layers: int
     depth: int
     traced: tuple[TracedStep, TracedStep]
     graphs: tuple[Graph, Graph]
+    period: int = 1
+
+    @property
+    def depths(self) -> tuple[int, int]:
+        return self.depth, self.depth + self.period
 
 
 def compiler(graph: Graph, traced: TracedStep, shallow: Shallow | None, mesh,
@@ -194,8 +214,8 @@ def compiler(graph: Graph, traced: TracedStep, shallow: Shallow | None, mesh,
     dtype = measure.compute_dtype(graph)
     widening = liveness.cpu_widening(graph) if target.widens(mesh, hw) else 1.0
     maps = None
-    if shallow is not None and num_layers(graph) == shallow.layers:
-        maps = [cut_map(graph, g, shallow.depth + i) for i, g in enumerate(shallow.graphs)]
+    if shallow is not None and layer_period(graph) == (shallow.layers, shallow.period):
+        maps = [cut_map(graph, g, d) for g, d in zip(shallow.graphs, shallow.depths)]
         maps = None if None in maps else maps
 
     def full(name: str, plan: Plan) -> measure.MeasuredProgram:
@@ -210,11 +230,12 @@ def compiler(graph: Graph, traced: TracedStep, shallow: Shallow | None, mesh,
                for g, t, p in zip(shallow.graphs, shallow.traced, cut)]
         if any(c.priced is None for c in got):
             return full(name, plan)
-        priced = extrapolate(got[0].priced, got[1].priced, shallow.depth, shallow.layers)
+        priced = extrapolate(got[0].priced, got[1].priced, shallow.depth, shallow.layers,
+                             shallow.period)
         if priced is None:
             return full(name, plan)
-        how = (f"extrapolated from the step compiled at {shallow.depth} and "
-               f"{shallow.depth + 1} of its {shallow.layers} layers")
+        a, b = shallow.depths
+        how = f"extrapolated from the step compiled at {a} and {b} of its {shallow.layers} layers"
         return measure.MeasuredProgram(name, plan, priced, extrapolated=how)
 
     return compile_one
