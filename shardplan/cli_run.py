@@ -113,6 +113,10 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
     if options.measure:
         label = " x ".join(f"{n}={k}" for n, k in zip(best.mesh.names, best.mesh.sizes))
         best = measured(config, work, best, options, phases)
+        how = next((c.extrapolated for c in best.candidates if c.extrapolated), "")
+        if how:
+            notes.append(f"the plan and the expert plans priced as compiled: {how} (each "
+                         "figure a + b x layers; see each candidate in the plan's notes)")
         if len(meshes) > 1:
             notes.append(f"meshes compared by the cost model; the plan and the expert plans "
                          f"compiled and priced on the kept mesh ({label})")
