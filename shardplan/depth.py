@@ -21,6 +21,7 @@ figure shrinks with depth, the candidate is compiled in full (`measure.measure`)
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Callable, Sequence
 
@@ -111,19 +112,45 @@ class CutMap:
     removed_values: frozenset[int]  # their values and parameters
 
 
+def _pairs(full: Graph, cut: Graph, depth: int) -> list[tuple[int, int]] | None:
+    """(full node index, cut-down node index) of the nodes both steps hold: the layers' below
+    `depth` in order, then the others (embedding, head, loss) aligned in order, where the full
+    step may hold more of them (one per layer: the sum of MoE layers' auxiliary losses)."""
+    _, fl = node_layers(full)
+    _, cl = node_layers(cut)
+    pairs = []
+    for mine, theirs in (([k for k, x in enumerate(fl) if x is not None and x < depth],
+                          [k for k, x in enumerate(cl) if x is not None]),
+                         ([k for k, x in enumerate(fl) if x is None],
+                          [k for k, x in enumerate(cl) if x is None])):
+        if len(mine) == len(theirs):
+            pairs += zip(mine, theirs)
+            continue
+        a = [_signature(full, full.nodes[k]) for k in mine]
+        b = [_signature(cut, cut.nodes[k]) for k in theirs]
+        ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+        if any(op not in ("equal", "delete") for op, *_ in ops):
+            return None
+        pairs += [(mine[i1 + j], theirs[j1 + j]) for op, i1, i2, j1, _ in ops if op == "equal"
+                  for j in range(i2 - i1)]
+    return pairs
+
+
 def cut_map(full: Graph, cut: Graph, depth: int) -> CutMap | None:
     """The full step with its layers from `depth` on removed, matched to `cut` (the step built
     with `depth` layers) node for node; None where they differ."""
-    fin, fnodes = node_layers(full)
+    fin, _ = node_layers(full)
     keep_in = [i for i, layer in enumerate(fin) if layer is None or layer < depth]
-    keep = [k for k, layer in enumerate(fnodes) if layer is None or layer < depth]
-    if (len(keep_in) != len(cut.inputs) or len(keep) != len(cut.nodes)
+    if (len(keep_in) != len(cut.inputs)
             or [full.input_names[i] for i in keep_in] != list(cut.input_names)):
+        return None
+    pairs = _pairs(full, cut, depth)
+    if pairs is None or len(pairs) != len(cut.nodes):
         return None
     values = {full.inputs[i]: c for i, c in zip(keep_in, cut.inputs)}
     nodes = {}
-    for k, node in zip(keep, cut.nodes):
-        mine = full.nodes[k]
+    for k, c in pairs:
+        mine, node = full.nodes[k], cut.nodes[c]
         if _signature(full, mine) != _signature(cut, node):
             return None
         nodes[mine.id] = node.id

@@ -84,6 +84,10 @@ def test_layers_are_found_only_where_they_repeat():
     _, moe = _lifted("moe", num_layers=6)
     assert depth.layer_period(moe) == (6, 2)
     assert depth.cut_depths(2) == (2, 4) and depth.cut_depths(1) == (2, 3)
+    # the full step sums one auxiliary loss per MoE layer: the extra additions are cut off
+    for k in (2, 4):
+        m = depth.cut_map(moe, _lifted("moe", num_layers=k)[1], k)
+        assert m is not None and len(m.removed_nodes) > 0
     _, odd = _lifted("moe", num_layers=3)  # dense, MoE, dense: no period divides it
     assert depth.layer_period(odd) is None
     _, mlp = _lifted("mlp")  # no layer_<i> scopes
