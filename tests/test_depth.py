@@ -29,14 +29,15 @@ def _lifted(name, **kw):
     return traced, lift(traced.closed_jaxpr, traced.arg_info)
 
 
-def _shallow(layers, k=2, **kw):
+def _shallow(layers, **kw):
+    k = depth.cut_depths(1)[0]  # as the CLI cuts
     cuts = [_lifted("gpt", num_layers=n, **kw) for n in (k, k + 1)]
     return depth.Shallow(layers, k, (cuts[0][0], cuts[1][0]), (cuts[0][1], cuts[1][1]))
 
 
 def test_extrapolated_candidates_agree_with_the_full_compile(devices):
     """GPT at test size, 8 layers, 2x4: the searched plan and the expert plans (FSDP gathers
-    per layer, 2-D splits the activations) priced from the 2- and 3-layer copies are within
+    per layer, 2-D splits the activations) priced from the 1- and 2-layer copies are within
     2% of the 8-layer program compiled in full: step time, communication, peak memory."""
     layers = 8
     traced, _ = _lifted("gpt", num_layers=layers)
@@ -54,7 +55,7 @@ def test_extrapolated_candidates_agree_with_the_full_compile(devices):
     for name, p in {"searched": plan, "fsdp": experts["fsdp"],
                     "two_d": experts["two_d"]}.items():
         got = compile_one(name, p)
-        assert "extrapolated from the step compiled at 2 and 3 of its 8 layers" in got.extrapolated
+        assert "extrapolated from the step compiled at 1 and 2 of its 8 layers" in got.extrapolated
         assert got.stats is None and got.plan is p
         full = measure.measure(graph, traced, p, mesh, HW, name, traced.state_argnums, dtype,
                                widening)
@@ -83,7 +84,7 @@ def test_layers_are_found_only_where_they_repeat():
     # MoE layers alternate with dense ones: they repeat every 2, cut at 2 and 4
     _, moe = _lifted("moe", num_layers=6)
     assert depth.layer_period(moe) == (6, 2)
-    assert depth.cut_depths(2) == (2, 4) and depth.cut_depths(1) == (2, 3)
+    assert depth.cut_depths(2) == (2, 4) and depth.cut_depths(1) == (1, 2)
     # the full step sums one auxiliary loss per MoE layer: the extra additions are cut off
     for k in (2, 4):
         m = depth.cut_map(moe, _lifted("moe", num_layers=k)[1], k)
@@ -129,7 +130,7 @@ search: {time_limit: 30}
 
 def test_the_cli_prices_a_deep_zoo_step_from_shallow_copies(tmp_path, capsys, devices):
     """`shardplan search` of a 6-layer GPT: every candidate of the measured selection (and so
-    every row of the table) is priced from the 2- and 3-layer copies, the notes say so, and
+    every row of the table) is priced from the 1- and 2-layer copies, the notes say so, and
     nothing is compiled again for the table."""
     from shardplan.cli import main
     from shardplan.plan import load_plan
@@ -139,10 +140,10 @@ def test_the_cli_prices_a_deep_zoo_step_from_shallow_copies(tmp_path, capsys, de
     out = tmp_path / "out"
     assert main(["search", str(path), "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert "cut down to 2 and 3 layers" in err
+    assert "cut down to 1 and 2 layers" in err
     for phase in ("compiling the plan", "compiling expert"):
         assert phase not in err, phase
     notes = " ".join(load_plan(out / "plan.json").notes)
     for name in ("searched", "data_parallel", "fsdp", "two_d"):
         assert f"{name} " in notes
-    assert notes.count("extrapolated from the step compiled at 2 and 3 of its 6 layers") == 4
+    assert notes.count("extrapolated from the step compiled at 1 and 2 of its 6 layers") == 4
