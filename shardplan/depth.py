@@ -2,9 +2,9 @@
 down to k and k + 1 of its repeated layers, every priced figure extrapolated linearly to its
 depth.
 
-Compiling a 48-layer step (GPT-2 1.5B) on 8 CPU devices takes minutes per candidate, and the
-measured selection compiles five or six (the CLI took over 540 s): most of that time is one
-layer compiled 48 times. An unrolled stack of identical layers adds the same program per layer:
+Compiling a 48-layer step (GPT-2 1.5B) on 8 CPU devices took 154 s for one candidate here
+(loaded machine), and the measured selection compiles four or five (the CLI took over 540 s):
+most of that time is one layer compiled 48 times. An unrolled stack of identical layers adds the same program per layer:
 the same flops, bytes, collectives and buffers, so each priced figure is a + b * layers. Two
 compiles of the cut-down step (k and k + 1 layers) give a and b; the deep step's figure is
 read off the line. tests/test_depth.py checks it against the full compile (GPT, 8 layers).
@@ -15,7 +15,9 @@ optimizer's updates by their parameter's name); the layers must repeat (every la
 sequence of operators and shapes, or every p-th: MoE layers between dense ones, cut at k and
 k + p), and the full step with layers k.. removed must be the cut-down step, operator for
 operator and input for input. Otherwise, or when a cut-down compile fails or a
-figure shrinks with depth, the candidate is compiled in full (`measure.measure`).
+figure shrinks with depth, the candidate is compiled in full (`measure.measure`). The kept
+plan is the cheapest as extrapolated; it is not compiled again in full, and its notes (and
+MeasuredProgram.extrapolated) say its figures are extrapolated.
 """
 
 from __future__ import annotations
