@@ -14,13 +14,14 @@ import jax
 
 import shardplan
 from shardplan import baselines as bl
-from shardplan import fingerprint, report
+from shardplan import depth, fingerprint, report
+from shardplan import hints as hints_mod
 from shardplan.cli_render import Phases
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError
-from shardplan.ir.lift import lift
+from shardplan.ir.lift import LiftOptions, lift
 from shardplan.ir.trace import trace
 from shardplan.measure import compile_and_price as price_program
-from shardplan.measure import completer, cpu_mesh, expert_plans, lower_plan
+from shardplan.measure import completer, cpu_mesh, expert_plans, select_measured
 from shardplan.units import Deadline, fmt_bytes
 from shardplan.workload import Workload, build_workload
 
@@ -79,11 +80,11 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
     # Several meshes: compared by the cost model (within 10% of the compiled programs:
     # tests/test_model_agrees.py), the candidates compiled on the kept one only (compiling
     # them on every mesh tripled the time of a config with a device count).
-    per_mesh = options.replace(measure=False) if len(meshes) > 1 else options
+    per_mesh = options.replace(measure=False)
     best, tried, infeasible = None, {}, []
     for names, sizes in meshes:
         label = " x ".join(f"{n}={k}" for n, k in zip(names, sizes))
-        how = "trace, strategies, ILP" + (", compiling candidates" if per_mesh.measure else "")
+        how = "trace, strategies, ILP"
         with phases(f"planning {work.label} on mesh {label} ({how})"):
             try:
                 plan = shardplan.search(work.fn, *work.args, cluster=hw, mesh_shape=sizes,
@@ -109,26 +110,97 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
             f"{config.cluster.mesh.num_devices} {hw.name} devices; the smallest memory any plan "
             f"needs is {fmt_bytes(least)} per device ({least:.0f} bytes). Raise "
             "cluster.memory_budget, use more devices, or shrink the model or batch.", least)
-    if options.measure and not per_mesh.measure:
+    if options.measure:
         label = " x ".join(f"{n}={k}" for n, k in zip(best.mesh.names, best.mesh.sizes))
-        with phases(f"planning {work.label} on mesh {label} again, compiling candidates"):
-            best = shardplan.search(work.fn, *work.args, cluster=hw, mesh_shape=best.mesh.sizes,
-                                    axis_names=best.mesh.names, options=options)
-        notes.append(f"meshes compared by the cost model; the plan and the expert plans "
-                     f"compiled and priced on the kept mesh ({label})")
+        best = measured(config, work, best, options, phases)
+        how = next((c.extrapolated for c in best.candidates if c.extrapolated), "")
+        if how:
+            notes.append(f"the plan and the expert plans priced as compiled: {how} (each "
+                         "figure a + b x layers; see each candidate in the plan's notes)")
+        if len(meshes) > 1:
+            notes.append(f"meshes compared by the cost model; the plan and the expert plans "
+                         f"compiled and priced on the kept mesh ({label})")
     return best, tried
+
+
+# -- measured selection ---------------------------------------------------------------------
+
+def shallow_copies(config: Config, work: Workload, period: int = 1) -> depth.Shallow | None:
+    """The config's zoo step rebuilt with fewer layers (at depth.cut_depths of its layers'
+    `period`), traced and lifted (shardplan.depth), where it has `num_layers` and at least
+    depth.MIN_LAYERS of them."""
+    layers = _layers(config, work)
+    if layers is None:
+        return None
+    first, second = depth.cut_depths(period)
+    traced, graphs = [], []
+    for k in (first, second):
+        model = config.model.model_copy(
+            update={"overrides": {**config.model.overrides, "num_layers": k}})
+        cut = build_workload(config.model_copy(update={"model": model}))
+        t, g = _traced(cut, config.search_options())
+        traced.append(t)
+        graphs.append(g)
+    return depth.Shallow(layers, first, tuple(traced), tuple(graphs), period)
+
+
+def _layers(config: Config, work: Workload) -> int | None:
+    """The zoo step's `num_layers` where it has at least depth.MIN_LAYERS of them."""
+    layers = getattr(getattr(work.step, "config", None), "num_layers", None)
+    if config.model.name is None or not isinstance(layers, int) or layers < depth.MIN_LAYERS:
+        return None
+    return layers
+
+
+def measured(config: Config, work: Workload, plan, options, phases: Phases):
+    """The searched plan (planned without measuring) and the expert plans compiled on CPU
+    devices and priced, the cheapest kept (shardplan.measure.select_measured): each candidate
+    compiled on two cut-down copies of a deep zoo step and extrapolated (shardplan.depth),
+    in full otherwise. A plan of the rematerialized step is measured by shardplan.search."""
+    hw = config.profile()
+    label = " x ".join(f"{n}={k}" for n, k in zip(plan.mesh.names, plan.mesh.sizes))
+    if plan.remat:
+        with phases(f"planning {work.label} on mesh {label} again, compiling candidates"):
+            return shardplan.search(work.fn, *work.args, cluster=hw, mesh_shape=plan.mesh.sizes,
+                                    axis_names=plan.mesh.names, options=options)
+    start = time.perf_counter()
+    options = options.replace(hints=hints_mod.with_boxes(options.hints, work.args))
+    traced, graph = _traced(work, options)
+    mesh = cpu_mesh(plan.mesh)
+    shallow, repeats = None, depth.layer_period(graph)
+    if _layers(config, work) is not None and repeats is not None:
+        a, b = depth.cut_depths(repeats[1])
+        with phases(f"building {work.label} cut down to {a} and {b} layers"):
+            shallow = shallow_copies(config, work, repeats[1])
+    compile_one = depth.compiler(graph, traced, shallow, mesh, hw, traced.state_argnums)
+    with phases(f"compiling and pricing the candidates on mesh {label}"):
+        kept = select_measured(traced, graph, plan, plan.mesh, hw, options,
+                               deadline=Deadline(options.time_limit), start=start,
+                               compile_one=compile_one)
+    return dataclasses.replace(kept, search_s=plan.search_s + kept.search_s,
+                               fingerprint=fingerprint.of_step(traced, plan.mesh))
+
+
+def _traced(work: Workload, options):
+    """The workload's step traced and lifted as shardplan.search lifts it."""
+    traced = trace(work.fn, work.args, work.state_argnums, work.batch_argnums)
+    graph = lift(traced.closed_jaxpr, traced.arg_info, LiftOptions(while_trips=options.while_trips))
+    return traced, graph
 
 
 # -- compile and price ----------------------------------------------------------------------
 
 
-def _compile_plan(work: Workload, plan, mesh, hw, phases: Phases, notes: list[str]):
+def _compile_plan(work: Workload, plan, mesh, hw, phases: Phases, notes: list[str],
+                  need_stats: bool = False):
     """The plan's program compiled and priced: (stats, priced), or (None, None) for a pipeline
-    plan, which is not one program."""
+    plan, which is not one program. The measured search's price is reused (stats None where it
+    was extrapolated from shallow copies, shardplan.depth), unless `need_stats`."""
     n = plan.mesh.num_devices
     mine = fingerprint.plan_fingerprint(plan)
     for c in plan.candidates:  # the measured search compiled it already
-        if c.stats is not None and fingerprint.plan_fingerprint(c.plan) == mine:
+        if (c.priced is not None and (c.stats is not None or not need_stats)
+                and fingerprint.plan_fingerprint(c.plan) == mine):
             return c.stats, c.priced
     with phases(f"compiling the plan with XLA on {n} CPU devices"):
         try:
@@ -150,7 +222,8 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
     """{expert plan: its program priced, or why not}: data parallel, FSDP, Megatron / 2-D as
     an expert writes them (shardplan.measure.expert_plans: the expert's input shardings, every
     intermediate laid out by the ILP around them). The measured search compiled them already
-    (plan.candidates): those are reused; the others are written and compiled here."""
+    (plan.candidates): those are reused; the others are written and compiled here (on shallow
+    copies of a deep zoo step where it applies: shardplan.depth)."""
     measured = {c.name: c for c in plan.candidates}
     wanted = config.output.baselines
     if wanted is None:
@@ -159,12 +232,14 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
     results: dict[str, Any] = {}
     missing = [n for n in (wanted or ()) if n not in measured]
     if wanted is None or missing:
-        traced = trace(work.fn, work.args, work.state_argnums, work.batch_argnums)
-        graph = lift(traced.closed_jaxpr, traced.arg_info)
         options = dataclasses.replace(config.search_options(), measure=False)
+        traced, graph = _traced(work, options)
         complete = completer(graph, traced, plan.mesh, hw, options, Deadline(options.time_limit),
                              device_mesh=mesh)
         written = expert_plans(graph, plan, complete=complete)
+        repeats = depth.layer_period(graph)
+        shallow = shallow_copies(config, work, repeats[1]) if repeats else None
+        compile_one = depth.compiler(graph, traced, shallow, mesh, hw, traced.state_argnums)
         if wanted is None:
             wanted = list(written)
         for name in wanted:
@@ -174,13 +249,8 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
                 results[name] = f"not an expert plan of this step on mesh {plan.mesh}"
                 continue
             with phases(f"compiling expert plan {name}"):
-                try:
-                    lowered = lower_plan(graph, traced, written[name], mesh,
-                                         traced.state_argnums)
-                    _, results[name] = price_program(lowered, mesh, plan.mesh, hw, work.dtype)
-                except Exception as e:  # noqa: BLE001 - one failing plan must not hide others
-                    results[name] = (f"failed: {type(e).__name__}: "
-                                     f"{str(e).splitlines()[0][:120]}")
+                c = compile_one(name, written[name])  # a failure is recorded, not raised
+                results[name] = c.priced if c.priced is not None else f"failed: {c.error}"
     for name in wanted:
         if name in measured:
             c = measured[name]
@@ -189,7 +259,7 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
 
 
 def compile_and_price(config: Config, work: Workload, plan, phases: Phases, notes: list[str],
-                      want_baselines: bool):
+                      want_baselines: bool, verify: bool = False):
     """Compile the plan (and the baselines) on CPU devices, price each: (plan stats, priced
     plan, {baseline: priced or why not}, compile seconds)."""
     hw = config.profile()
@@ -201,7 +271,7 @@ def compile_and_price(config: Config, work: Workload, plan, phases: Phases, note
         return None, None, {}, 0.0
     start = time.perf_counter()
     mesh = cpu_mesh(plan.mesh)
-    stats, priced = _compile_plan(work, plan, mesh, hw, phases, notes)
+    stats, priced = _compile_plan(work, plan, mesh, hw, phases, notes, need_stats=verify)
     results = (_compile_baselines(config, work, plan, mesh, hw, phases, notes)
                if want_baselines else {})
     return stats, priced, results, time.perf_counter() - start
@@ -226,7 +296,8 @@ def run_search(config: Config, *, verify: bool = False, phases: Phases):
                      "figures are the cost model's")
     elif config.output.compare or verify:
         stats, priced, baselines, compile_s = compile_and_price(
-            config, work, plan, phases, notes, want_baselines=config.output.compare)
+            config, work, plan, phases, notes, want_baselines=config.output.compare,
+            verify=verify)
     verification = None
     label, e = report.model_estimate(plan)
     if verify and stats is not None and e is not None:

@@ -83,6 +83,7 @@ class MeasuredProgram:
     priced: PricedStep | None = None
     error: str = ""
     stats: hlo.ProgramStats | None = None  # the compiled program's collectives, flops, memory
+    extrapolated: str = ""  # how `priced` was extrapolated from shallower copies (shardplan.depth)
 
     def fits(self, budget: float | None) -> bool:
         return self.priced is not None and (budget is None or self.priced.peak_bytes <= budget)
@@ -231,26 +232,29 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
            pinned: Mapping[int, ShardSpec] | None = None,
            replan: Callable[[float], Plan] | None = None,
            complete: Callable[[dict[int, ShardSpec]], Plan] | None = None,
-           progress: Callable[[str], Any] | None = None
+           progress: Callable[[str], Any] | None = None,
+           compile_one: Callable[[str, Plan], MeasuredProgram] | None = None
            ) -> tuple[Plan, tuple[MeasuredProgram, ...]]:
     """Compile the searched plan and every expert plan on `mesh`, keep the cheapest priced
     program that fits `memory_budget` (compiled peak bytes per device). The searched plan is
     kept unless another is cheaper by more than MARGIN; when nothing fits, the one that needs
-    the least memory is kept. The expert plans keep the `pinned` inputs' specs (hints). The kept plan's estimate becomes the measured one and its
-    notes list every candidate.
+    the least memory is kept. The expert plans keep the `pinned` inputs' specs (hints). The
+    kept plan's estimate becomes the measured one and its notes list every candidate.
 
     The memory model misses some of XLA's temporaries, so a searched plan can compile over a
     budget it fitted by the estimate: then `replan(budget)` (the ILP under another budget) is
     asked again with the budget scaled by estimate / compiled peak, up to
-    replan.RECALIBRATIONS
-    times, and each re-plan is a candidate too. `complete` lays out the expert plans'
-    intermediates (expert_plans)."""
+    replan.RECALIBRATIONS times, and each re-plan is a candidate too. `complete` lays out the expert plans'
+    intermediates (expert_plans). `compile_one(name, plan)` compiles and prices a candidate
+    instead of `measure` (shardplan.depth: from shallower copies of a deep step)."""
     dtype = compute_dtype(graph)
     widening = liveness.cpu_widening(graph) if target.widens(mesh, hw) else 1.0
 
     def run(name, p):
         if progress is not None:
             progress(f"compiling and pricing the {name} plan")
+        if compile_one is not None:
+            return compile_one(name, p)
         return measure(graph, traced, p, mesh, hw, name, donate_argnums, dtype, widening)
 
     candidates = [run("searched", plan)]
@@ -298,8 +302,9 @@ def _note(candidates: Sequence[MeasuredProgram], hw: HardwareProfile,
             continue
         p = c.priced
         fit = "" if c.fits(memory_budget) else " (over the budget)"
+        how = f" ({c.extrapolated})" if c.extrapolated else ""
         lines.append(f"{c.name} {fmt_seconds(p.total_s)} (compute {fmt_seconds(p.compute_s)}, "
-                     f"comm {fmt_seconds(p.comm_s)}), peak {fmt_bytes(p.peak_bytes)}{fit}")
+                     f"comm {fmt_seconds(p.comm_s)}), peak {fmt_bytes(p.peak_bytes)}{fit}{how}")
     return f"measured (compiled by XLA, priced as {hw.name}): " + "; ".join(lines)
 
 
@@ -335,8 +340,23 @@ def plan_measured(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile
     plan, graph, intra = plan_step(traced, mesh_shape, hw, options, device_mesh=device_mesh,
                                    device_order=device_order, deadline=deadline,
                                    donate_argnums=donate_argnums)
-    if not options.measure:
-        return plan, graph, intra
+    if options.measure:
+        plan = select_measured(traced, graph, plan, mesh_shape, hw, options, deadline=deadline,
+                               start=start, device_mesh=device_mesh, device_order=device_order,
+                               donate_argnums=donate_argnums)
+    return plan, graph, intra
+
+
+def select_measured(traced: TracedStep, graph: Graph, plan: Plan, mesh_shape: MeshShape,
+                    hw: HardwareProfile, options: SearchOptions, *, deadline: Deadline,
+                    start: float | None = None, device_mesh=None,
+                    device_order: Sequence[int] | None = None,
+                    donate_argnums: Sequence[int] | None = None,
+                    compile_one: Callable[[str, Plan], MeasuredProgram] | None = None,
+                    progress: Callable[[str], Any] | None = None) -> Plan:
+    """The measured selection (`select`) of the searched `plan` of the lifted step `graph`:
+    re-plans and expert completions by the ILP within `deadline`, on `device_mesh` or CPU
+    devices standing in for the cluster; `compile_one`: select's."""
 
     def replan(ilp_budget: float) -> Plan:
         with warnings.catch_warnings():  # the first plan has warned about the same graph
@@ -352,10 +372,10 @@ def plan_measured(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile
                          donated=donated_inputs(traced, donate_argnums))
     plan, _ = select(graph, traced, plan, mesh, hw, memory_budget=options.memory_budget,
                      donate_argnums=traced.state_argnums, replan=replan, complete=complete,
-                     pinned=pinned_inputs(traced, mesh_shape, options))
-    plan = dataclasses.replace(plan, search_s=time.perf_counter() - start,
+                     pinned=pinned_inputs(traced, mesh_shape, options), progress=progress,
+                     compile_one=compile_one)
+    return dataclasses.replace(plan, search_s=time.perf_counter() - (start or time.perf_counter()),
                                device_mesh=device_mesh)
-    return plan, graph, intra
 
 
 # -- pipelines as compiled ------------------------------------------------------------------------
