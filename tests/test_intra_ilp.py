@@ -131,3 +131,10 @@ def test_time_is_kept_for_cp_sat_when_highs_finds_no_plan_that_fits(monkeypatch)
     # without a deadline nothing is kept back: HiGHS's timeout is the search's
     with pytest.raises(ilp.SearchTimeout):
         solve(dataclasses.replace(inp, deadline=None))
+    # where a fallback fits, HiGHS has all the time, and the fallback is returned
+    seen.clear()
+    smallest = (2,) * n
+    monkeypatch.setattr(ilp, "greedy_choices", lambda _: [smallest])
+    sol = solve(dataclasses.replace(inp, deadline=Deadline(5.0)))
+    assert sol.solver == "fallback" and sol.choice == smallest
+    assert max(seen) > 5.0 * 1.2 * ilp.MIP_SHARE
