@@ -1,7 +1,7 @@
 """A tied embedding with a large vocabulary and a small batch: the plan splits the vocabulary
 (Megatron's vocab-parallel embedding: each device looks up the rows it holds, the lookup is a
-partial sum) and, compiled and priced, comes close to the best expert plan (it was 6.5x
-slower before lookups could split the vocabulary)."""
+partial sum) and, compiled and priced, ties the best expert plan (it was 6.5x slower before
+lookups could split the vocabulary)."""
 
 import re
 
@@ -14,7 +14,7 @@ import shardplan
 VOCAB, D, B, T = 65536, 256, 8, 32
 
 
-def _step():
+def _step(vocab: int = VOCAB):
     opt = optax.adam(1e-3)
 
     def loss_fn(p, ids, labels):
@@ -28,7 +28,7 @@ def _step():
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
-    params = {"wte": {"embedding": jax.ShapeDtypeStruct((VOCAB, D), jnp.float32)},
+    params = {"wte": {"embedding": jax.ShapeDtypeStruct((vocab, D), jnp.float32)},
               "w": jax.ShapeDtypeStruct((D, D), jnp.float32)}
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
     return step, (params, jax.eval_shape(opt.init, params), ids, ids)
@@ -38,19 +38,19 @@ TABLE = "[0]['wte']['embedding']"
 
 
 def test_searched_plan_splits_the_vocabulary_and_wins_compiled():
-    step, args = _step()
+    step, args = _step(vocab=262144)  # the issue's 256k vocabulary, abstract (nothing runs)
     plan = shardplan.search(step, *args, cluster="a100-80gb", mesh_shape=(8,), measure=True)
     assert tuple(plan.in_specs[TABLE])[:1] == ("devices",)
-    # compiled and priced: far ahead of data parallel, ahead of FSDP (written out: it gathers
-    # the table where it is read, 207.6 us), and within 12% of Megatron's vocab-parallel plan
-    # (measured 150.6 against 136.6 us: the same bytes in two collectives more, each a
-    # latency term; the measured selection keeps Megatron's)
+    # compiled and priced: far ahead of data parallel (4.49 ms), ahead of FSDP (written out:
+    # it gathers the table where it is read, 468.6 us), and Megatron's vocab-parallel plan to
+    # the microsecond (413.0 us both; at 64k 202.3 us both, where session 6's planner was
+    # 150.6 against 136.6 us)
     (note,) = [n for n in plan.notes if n.startswith("measured")]
     priced = {name: float(t) * (1e-3 if unit == "us" else 1.0) for name, t, unit in
               re.findall(r"(\w+) ([\d.]+) (us|ms) \(compute", note)}
     assert set(priced) == {"searched", "data_parallel", "fsdp", "megatron"}, note
     best = min(priced.values())
-    assert priced["searched"] <= 1.12 * best, note
+    assert priced["searched"] <= 1.02 * best, note
     assert priced["searched"] < priced["data_parallel"] / 1.5, note
     assert priced["searched"] < priced["fsdp"], note
 
