@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from shardplan.cost.model import CONTRACTIONS, FUSED
-from shardplan.intra import combiner, ilp, layouts, liveness
+from shardplan.intra import combiner, layouts, liveness, memory_rows
 from shardplan.intra.liveness import GENERATORS, lifetimes, schedule
 from shardplan.ir import primitives
 
@@ -365,69 +365,24 @@ class MemoryModel:
     # -- points -----------------------------------------------------------------------------
 
     def points(self) -> list[tuple[list[int], list[int]]]:
-        """(buffers, copies) live at each point where the live set can peak: a point whose live
-        set is contained in another's never peaks alone. With intervals: the last point before
-        some buffer ends, if a buffer started since the previous such point."""
-        cached = self.__dict__.get("_points")
-        if cached is not None:
-            return cached
-        items = [(b.start, b.end) for b in self.buffers] + [(c.start, c.end) for c in self.copies]
-        if not items:
-            return []
-        starts = np.array([a for a, _ in items])
-        ends = np.array([b for _, b in items])
-        start_points = np.unique(starts)
+        """(buffers, copies) live at each point where the live set can peak
+        (memory_rows.live_ranges)."""
         nb = len(self.buffers)
-        out, prev = [], -1
-        for t in np.unique(ends):
-            if not ((start_points > prev) & (start_points <= t)).any():
-                continue  # nothing new since the previous point: this set is contained in it
-            prev = t
-            live = np.flatnonzero((starts <= t) & (ends >= t))
+        times, first, last = memory_rows.live_ranges(
+            [b.start for b in self.buffers] + [c.start for c in self.copies],
+            [b.end for b in self.buffers] + [c.end for c in self.copies])
+        out = []
+        for p in range(len(times)):
+            live = np.flatnonzero((first <= p) & (last >= p))
             out.append(([int(x) for x in live if x < nb], [int(x) - nb for x in live if x >= nb]))
-        self.__dict__["_points"] = out
         return out
 
     # -- the ILP's rows -----------------------------------------------------------------------
 
-    def solver_terms(self, index: Mapping[int, int], num_reps: int):
+    def solver_terms(self, index: Mapping[int, int]):
         """(base, rows, copies, row_copies) for ilp.SolverInput: terms over representatives
         (`index`: root -> representative). Buffers live at every point form the base."""
-        pts = self.points()
-        always = set(range(len(self.buffers)))
-        for bufs, _ in pts:
-            always &= set(bufs)
-
-        def unary(ids, extra=()):
-            by: dict[int, np.ndarray] = {}
-            for i in ids:
-                b = self.buffers[i]
-                by[index[b.root]] = by.get(index[b.root], 0) + b.nbytes
-            for rep, arr in extra:
-                by[rep] = by.get(rep, 0) + arr
-            return tuple(sorted(by.items(), key=lambda kv: kv[0]))
-
-        copies, copy_id, diag = [], {}, {}
-        for j, c in enumerate(self.copies):
-            ia, ib = index[c.a], index[c.b]
-            if ia == ib:
-                diag[j] = (ia, np.where(c.key_a != c.key_b,
-                                        np.maximum(c.bytes_a + c.bytes_b, 0.0), 0.0))
-            else:
-                copy_id[j] = len(copies)
-                copies.append(ilp.Copy(ia, c.key_a, c.bytes_a, ib, c.key_b, c.bytes_b))
-        base = unary(sorted(always)) if pts else ()
-        rows, row_copies, seen = [], [], set()
-        for bufs, cps in pts:
-            row = unary([b for b in bufs if b not in always], [diag[j] for j in cps if j in diag])
-            rc = tuple(sorted(copy_id[j] for j in cps if j in copy_id))
-            key = (tuple((r, a.tobytes()) for r, a in row), rc)
-            if key in seen:
-                continue
-            seen.add(key)
-            rows.append(row)
-            row_copies.append(rc)
-        return base, tuple(rows), tuple(copies), tuple(row_copies)
+        return memory_rows.solver_terms(self.buffers, self.copies, index)
 
     # -- a chosen plan's peak ----------------------------------------------------------------
 

@@ -437,7 +437,7 @@ class Problem:
         budget = self.options.memory_budget
         base = rows = copies = row_copies = ()
         if budget is not None:
-            base, rows, copies, row_copies = self.memory().solver_terms(self.index, len(self.reps))
+            base, rows, copies, row_copies = self.memory().solver_terms(self.index)
         return ilp.SolverInput(node_costs, edge_list, rows, budget, self.options.time_limit_s,
                                self.options.seed, self.options.workers,
                                hint=(0,) * len(self.reps) + (1,) * len(hub_costs)
