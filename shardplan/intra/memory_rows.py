@@ -9,6 +9,7 @@ over the moments, and each row's copies one slice of a sparse matrix.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -99,7 +100,7 @@ def solver_terms(buffers: Sequence, copies: Sequence, index: Mapping[int, int]):
         la = np.array([e[2] for e in entries])
         sizes = np.array([e[0] for e in entries], dtype=float)
         spans = np.unique(np.concatenate([f, la + 1, [moments]]))
-        for start, stop in zip(spans[:-1], spans[1:]):
+        for start, stop in itertools.pairwise(spans):
             live = (f <= start) & (la >= start)
             if live.any():
                 held = sizes[live].sum(axis=0)
