@@ -7,11 +7,12 @@ import random
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplan.analysis.hlo import analyze
+from shardplan.analysis.hlo import analyze, axes_of_group
 from shardplan.cost import collectives as C
 from shardplan.cost.hardware import HardwareProfile, Link, get_profile
 from shardplan.cost.model import AlphaBetaCost
@@ -86,10 +87,14 @@ def test_reshard_two_axes():
     # partial sums over both axes
     both = spec(None, None, partial=("d", "m"))
     assert r(both, spec(None, None)) == [("all-reduce", ("d", "m"), FULL)]
+    # onto two dimensions: each reduce-scatter reduces the whole buffer, as XLA runs them
+    # (test_partial_sums_over_two_axes_match_xla)
     assert r(both, spec("d", "m")) == [
         ("reduce-scatter", ("d",), FULL),
-        ("reduce-scatter", ("m",), FULL // 2),
+        ("reduce-scatter", ("m",), FULL),
     ]
+    # onto one dimension: one reduce-scatter over both axes
+    assert r(both, spec(("d", "m"), None)) == [("reduce-scatter", ("d", "m"), FULL)]
     assert r(both, spec("d", "m"), forms_reduce_scatter=False) == [("all-reduce", ("d", "m"), FULL)]
     # partial over m, split over d elsewhere: reduce the d-shard, then move d
     assert r(spec("d", None, partial=("m",)), spec(None, "d")) == [
@@ -200,7 +205,10 @@ def _run_plan(plan, shape, itemsize, src, dst, mesh):
     def size(h):
         return itemsize * math.prod(len(x) for x in h)
 
+    run = {}  # reduce-scatters in a row: dimension -> devices split over (on the whole buffer)
     for op, comm in plan:
+        if op.kind != "rs":
+            run = {}
         if op.kind == "permute":
             new = {}
             for c in devs:
@@ -244,6 +252,9 @@ def _run_plan(plan, shape, itemsize, src, dst, mesh):
             assert set(op.axes) <= partial
             partial -= set(op.axes)
         after = size(next(iter(hold.values())))
+        if op.kind == "rs":  # the sum as the reduce-scatters onto other dimensions left it
+            before *= math.prod(n for d, n in run.items() if d != op.to)
+            run[op.to] = run.get(op.to, 1) * mesh.size(op.axes)
         assert comm.nbytes == (after if op.kind == "ag" else before)
         assert comm.axes == op.axes
     assert not partial, f"partial sums over {partial} left"
@@ -429,6 +440,35 @@ def test_partial_sums_on_cpu_compile_to_an_all_reduce():
     assert [(o.kind, o.nbytes, o.bytes_sent) for o in ops] == [
         (c.kind, c.nbytes, C.bytes_sent(c.kind, c.nbytes, 8)) for c in gpu
     ]
+
+
+@pytest.mark.parametrize("dst", [spec("d", "m"), spec("m", "d"), spec(("d", "m"), None),
+                                 spec(("m", "d"), None), spec("d", None), spec(None, "m"),
+                                 spec(None, None)], ids=str)
+def test_partial_sums_over_two_axes_match_xla(dst):
+    """A matmul's output partial over both axes of a 2x4 mesh (its contracting dimension split
+    on d and m), constrained to `dst`: the bytes of the reduction the model plans against
+    the compiled program's, priced as a GPU or TPU compiler forms its reduce-scatters. Split
+    onto two dimensions, XLA reduces the whole sum over each axis before it slices (two
+    reduce-scatters of the whole buffer: 40 KiB of [64, 128] f32, not the 28 KiB of one
+    reduce-scatter after the other: WResNet 250M on 2x4 compiled 2.05 GiB against 1.85
+    planned). Onto one dimension, one reduce-scatter over both axes."""
+    jmesh = auto_mesh((2, 4), ("d", "m"))
+    a = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    b = jax.ShapeDtypeStruct((256, 128), jnp.float32)
+    k = NamedSharding(jmesh, P(None, ("d", "m")))
+    compiled = (
+        jax.jit(lambda x, w: jnp.tanh(x @ w), in_shardings=(k, NamedSharding(jmesh, P(("d", "m")))),
+                out_shardings=NamedSharding(jmesh, dst.to_partition_spec()))
+        .lower(a, b).compile()
+    )
+    stats = analyze(compiled).formed()
+    grid = np.vectorize(lambda d: d.id)(jmesh.devices)
+    got = sorted((o.kind, tuple(sorted(axes_of_group(o.groups, M24, grid))), o.nbytes)
+                 for o in stats.collectives)
+    comms = C.reshard(SHAPE, F32, spec(None, None, partial=("d", "m")), dst, M24)
+    assert sorted((c.kind, tuple(sorted(c.axes)), c.nbytes) for c in comms) == got
+    assert C.comms_bytes(comms, M24) == stats.bytes_sent
 
 
 def test_the_cost_models_reshard_collectives_and_path_are_the_plans_own():
