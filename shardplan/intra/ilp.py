@@ -271,6 +271,13 @@ def solve(inp: SolverInput) -> Solution:
                         "the ILP found no plan that fits within its time limit")
 
 
+def without_memory(inp: SolverInput) -> SolverInput:
+    """The same problem with no memory budget (nor rows): a relaxation of it, and the
+    fast one to solve (presolve eliminates what no row names, the LP is often integral)."""
+    return dataclasses.replace(inp, memory_budget=None, memory_rows=(), memory_base=(),
+                               copies=(), row_copies=())
+
+
 def _fallbacks(inp: SolverInput) -> list[tuple[float, tuple[int, ...], float]]:
     """(objective, choice, peak) of the hint and the greedy choices that fit the budget."""
     fits = []

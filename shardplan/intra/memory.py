@@ -29,6 +29,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
+from scipy import sparse
 
 from shardplan.cost.model import CONTRACTIONS, FUSED
 from shardplan.intra import combiner, ilp, layouts, liveness
@@ -384,7 +385,7 @@ class MemoryModel:
                 continue  # nothing new since the previous point: this set is contained in it
             prev = t
             live = np.flatnonzero((starts <= t) & (ends >= t))
-            out.append(([int(x) for x in live if x < nb], [int(x) - nb for x in live if x >= nb]))
+            out.append((live[live < nb].tolist(), (live[live >= nb] - nb).tolist()))
         self.__dict__["_points"] = out
         return out
 
@@ -398,11 +399,46 @@ class MemoryModel:
         for bufs, _ in pts:
             always &= set(bufs)
 
-        def unary(ids, extra=()):
-            by: dict[int, np.ndarray] = {}
-            for i in ids:
-                b = self.buffers[i]
-                by[index[b.root]] = by.get(index[b.root], 0) + b.nbytes
+        # Each row's bytes per representative, for every row at once: the live buffers of a
+        # representative times their sizes (a sparse product adds them in the buffers' order,
+        # as a loop over them would: the same sums to the bit)
+        sums: list[dict[int, np.ndarray]] = [{} for _ in pts]
+        if pts and self.buffers:
+            rep_of = np.array([index[b.root] for b in self.buffers], dtype=np.int64)
+            steady = np.zeros(len(self.buffers), bool)
+            steady[sorted(always)] = True
+            live = [np.asarray(bufs, dtype=np.int64) for bufs, _ in pts]
+            live = [b[~steady[b]] for b in live]
+            ri = np.concatenate([np.full(len(b), r, dtype=np.int64) for r, b in enumerate(live)])
+            bi = np.concatenate(live)
+            local = np.zeros(len(self.buffers), dtype=np.int64)  # a buffer's place in its rep's
+            members: dict[int, list[int]] = {}
+            for i, r in enumerate(rep_of.tolist()):
+                local[i] = len(members.setdefault(r, []))
+                members[r].append(i)
+            order = np.argsort(rep_of[bi], kind="stable")
+            ri, bi = ri[order], bi[order]
+            cuts = np.flatnonzero(np.diff(rep_of[bi])) + 1
+            for rows_r, bufs_r in zip(np.split(ri, cuts), np.split(bi, cuts)):
+                if not len(bufs_r):
+                    continue
+                rep = int(rep_of[bufs_r[0]])
+                ids = members[rep]
+                m = sparse.csr_matrix((np.ones(len(rows_r)), (rows_r, local[bufs_r])),
+                                      shape=(len(pts), len(ids)))
+                m.sort_indices()
+                total = m @ np.stack([np.asarray(self.buffers[i].nbytes, float) for i in ids])
+                for r in np.unique(rows_r).tolist():
+                    sums[r][rep] = total[r]
+
+        def unary(ids, extra=(), row=None):
+            if row is not None:
+                by = dict(sums[row])
+            else:
+                by = {}
+                for i in ids:
+                    b = self.buffers[i]
+                    by[index[b.root]] = by.get(index[b.root], 0) + b.nbytes
             for rep, arr in extra:
                 by[rep] = by.get(rep, 0) + arr
             return tuple(sorted(by.items(), key=lambda kv: kv[0]))
@@ -418,8 +454,8 @@ class MemoryModel:
                 copies.append(ilp.Copy(ia, c.key_a, c.bytes_a, ib, c.key_b, c.bytes_b))
         base = unary(sorted(always)) if pts else ()
         rows, row_copies, seen = [], [], set()
-        for bufs, cps in pts:
-            row = unary([b for b in bufs if b not in always], [diag[j] for j in cps if j in diag])
+        for r, (bufs, cps) in enumerate(pts):
+            row = unary((), [diag[j] for j in cps if j in diag], row=r)
             rc = tuple(sorted(copy_id[j] for j in cps if j in copy_id))
             key = (tuple((r, a.tobytes()) for r, a in row), rc)
             if key in seen:
