@@ -319,6 +319,11 @@ def _within_budget(inp: SolverInput, lp, run, obj, num_x: int, num_01: int, choi
             if status == 0 and float(obj @ sol) <= upper + 1e-6 * scale:
                 return "optimal", choice_of(sol)
             offer(choice_of(sol))
+            # A plan within the last guess: the MIP within its cost proves the optimum, and a
+            # guess below it could not (llama-7b on 2x4 under 80 GB: 0.1% found a plan 0.66%
+            # above the bound; 0.5% then spent 15 CPU s finding none cheaper)
+            if best is not None and best[0] <= lp.fun + GAPS[-1] * scale:
+                break
         if inp.remaining() <= 0:
             return ("feasible", best[1]) if best else ("timeout", None)
     if best is None:
