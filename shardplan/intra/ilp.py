@@ -272,14 +272,18 @@ def solve(inp: SolverInput) -> Solution:
         # 80 GB, found its plan after 70% of the 30 s)
         inp = dataclasses.replace(inp, deadline=Deadline(inp.deadline.remaining() * MIP_SHARE,
                                                          grace=0.0))
-    reduced = presolve.reduce(linear.perturbed(inp))
-    core = reduced.inp
+    perturbed = linear.perturbed(inp)
     lazy = budget is not None and len(inp.memory_rows) > ROWS_PER_ROUND
     active = _first_rows(inp) if lazy else set(range(len(inp.memory_rows)))
+    # the cheapest fallback that fits bounds the MIP's search from above (linear.py)
+    hint = min(fits)[1] if fits else inp.hint
     while True:
-        sub = _restrict(core, active) if lazy else core
+        # Presolve sees the active rows only: a node no active row names is eliminated as
+        # without a budget (gpt-6.7b on 8x8, 80 GB: a core of 456 nodes, not 730)
+        sub = _restrict(perturbed, active) if lazy else perturbed
+        reduced = presolve.reduce(dataclasses.replace(sub, hint=hint))
         try:
-            found = _solve_rows(sub)
+            found = _solve_rows(reduced.inp)
         except _Infeasible:
             value, exact, least = least_memory(whole)
             raise InfeasibleMemory(budget, value, exact, found_bytes=least) from None
@@ -291,7 +295,7 @@ def solve(inp: SolverInput) -> Solution:
         if not over:
             return Solution(choice, obj, peak, found.optimal, found.solver)
         active |= set(over)
-        core = dataclasses.replace(core, hint=None)
+        hint = None
         if inp.remaining() <= 0:
             break
     # Out of time: the cheapest of the hint and the greedy choices that fits.
@@ -303,6 +307,13 @@ def solve(inp: SolverInput) -> Solution:
         return found
     raise SearchTimeout(inp.deadline.limit_s if inp.deadline is not None else inp.time_limit_s,
                         "the ILP found no plan that fits within its time limit")
+
+
+def without_memory(inp: SolverInput) -> SolverInput:
+    """The same problem with no memory budget (nor rows): a relaxation of it, and the
+    fast one to solve (presolve eliminates what no row names, the LP is often integral)."""
+    return dataclasses.replace(inp, memory_budget=None, memory_rows=(), memory_base=(),
+                               copies=(), row_copies=())
 
 
 def _fallbacks(inp: SolverInput) -> list[tuple[float, tuple[int, ...], float]]:

@@ -61,6 +61,20 @@ def _pinned(problem: Problem, inp: ilp.SolverInput, fixed: Mapping[int, ShardSpe
                                time_limit_s=min(inp.time_limit_s, 3.0))
 
 
+def _seeded(pinned: ilp.SolverInput, time_limit_s: float) -> ilp.Solution:
+    """The best plan with an expert's inputs. Under a budget, first as measure writes the
+    expert's plan (shardplan.measure.completer: the ILP around its inputs without the budget;
+    fast, as no memory row keeps presolve or the LP from the problem): if that fits, nothing
+    that fits is cheaper. Else the budgeted ILP, that completion as its hint."""
+    if pinned.memory_budget is None:
+        return ilp.solve(pinned)
+    free = ilp.solve(dataclasses.replace(ilp.without_memory(pinned), time_limit_s=time_limit_s))
+    obj, peak = ilp.evaluate(pinned, free.choice)
+    if np.isfinite(obj) and peak <= pinned.memory_budget:
+        return ilp.Solution(free.choice, obj, peak, free.optimal, free.solver)
+    return ilp.solve(dataclasses.replace(pinned, hint=free.choice))
+
+
 def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOptions):
     """Solve the ILP free and, unless that solve is proven optimal, with each expert plan's
     inputs pinned; keep the cheapest. A pinned problem is the free one with fewer choices, so
@@ -100,7 +114,7 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
                                        ilp.Solution(choice, obj, peak, False, "pinned")))
                 continue
             try:
-                candidates.append((f"{name}-seeded", ilp.solve(pinned)))
+                candidates.append((f"{name}-seeded", _seeded(pinned, inp.time_limit_s)))
             except (ilp.InfeasibleMemory, ilp.SearchTimeout):
                 continue
     cut_short = timeout is not None or bool(skipped) or (
