@@ -199,8 +199,10 @@ def test_a_dropout_mask_is_fused_into_its_readers_and_keeps_the_bits():
 
 
 def test_peak_sweep_equals_the_rows_at_every_point():
-    """MemoryModel.peak sweeps the buffers' intervals; the ILP's rows sum what is live at each
-    point: on a GPT step and random choices, the two agree exactly."""
+    """The ILP's rows sum what is live at each point: on a GPT step and random choices, they
+    agree exactly with a sweep over the same buffers' intervals, and MemoryModel.peak (which
+    also knows how long a dropout mask's bits live once every layout is chosen: masks.py) is
+    never above them."""
     from shardplan.cost.hardware import get_profile
     from shardplan.cost.model import AlphaBetaCost
     from shardplan.intra.options import intra_options
@@ -232,7 +234,14 @@ def test_peak_sweep_equals_the_rows_at_every_point():
                     total += max(0.0, float(c.bytes_a[choice[c.a]] + c.bytes_b[choice[c.b]]))
             at_points = max(at_points, total)
         assert at_points > 0
-        assert model.peak(choice) == pytest.approx(at_points, rel=1e-12)  # margin: floats
+        items = [(b.start, b.end, float(b.nbytes[choice[b.root]])) for b in model.buffers]
+        items += [(c.start, c.end, max(0.0, float(c.bytes_a[choice[c.a]]
+                                                  + c.bytes_b[choice[c.b]])))
+                  for c in model.copies if c.key_a[choice[c.a]] != c.key_b[choice[c.b]]]
+        swept = max(sum(b for a, e, b in items if a <= t <= e)
+                    for t in range(max(e for _, e, _ in items) + 1))
+        assert swept == pytest.approx(at_points, rel=1e-12)  # margin: floats
+        assert model.peak(choice) <= at_points * (1 + 1e-12)
 
 
 def test_what_xla_simplifies_away_is_never_written():
@@ -269,3 +278,76 @@ def test_what_xla_simplifies_away_is_never_written():
     transposes = [n for n in g.nodes if n.primitive == "transpose" and n.outputs[0] in readers
                   and all(g.nodes[r].primitive == "dot_general" for r in readers[n.outputs[0]])]
     assert transposes and all(n.outputs[0] in virtual for n in transposes)
+
+
+def _dropout_problem():
+    """A dropout layer's gradient step on 2x4: the mask is read in the forward and the backward
+    pass; the ILP may lay it out otherwise than the generator's bits."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.cost.hardware import get_profile
+    from shardplan.cost.model import AlphaBetaCost
+    from shardplan.intra.options import intra_options
+    from shardplan.intra.problem import Problem
+    from shardplan.ir.lift import LiftOptions, lift
+    from shardplan.ir.trace import trace
+    from shardplan.options import DEFAULTS
+    from shardplan.strategies.spec import MeshShape
+
+    def loss(w, x, key):
+        h = x @ w
+        keep = jax.random.bernoulli(key, 0.9, h.shape)
+        return jnp.sum(jnp.tanh(jnp.where(keep, h / 0.9, 0.0)) @ w.T)
+
+    def step(w, x, key):
+        return w - 0.1 * jax.grad(loss)(w, x, key)
+
+    args = (jnp.ones((64, 64)), jnp.ones((32, 64)), jax.random.key(0))
+    t = trace(step, args, (0,), (1,))
+    g = lift(t.closed_jaxpr, t.arg_info, LiftOptions())
+    mesh = MeshShape(("data", "model"), (2, 4))
+    return Problem(g, mesh, AlphaBetaCost(mesh, get_profile("cpu"), None),
+                   intra_options(DEFAULTS))
+
+
+def test_a_resharded_dropout_mask_is_held_as_booleans_and_the_bits_die():
+    """Where every read of a dropout mask is in another layout than the generator's, XLA fuses
+    the compare into the reshard and holds the mask's booleans, not the generator's two words
+    (a GPT on 2x4: every mask held as `pred`, the words freed at once; masks.py): the plan's
+    peak counts the bits to the first read and one byte per element to each read; the ILP's
+    rows never count less."""
+    problem = _dropout_problem()
+    model = problem.memory()
+    (mask,) = model.masks
+    bits = model.buffers[mask.buffer]
+    assert "random_bits" in bits.what and len(mask.reads) >= 2
+    assert bits.end > mask.first  # the rows hold the bits to the backward's read
+    rng = np.random.default_rng(0)
+    resharded = 0
+    for _ in range(300):
+        choice = {r: int(rng.integers(len(problem.strategies[r]))) for r in problem.roots}
+        live = model.live(choice)
+        moved = [rd for rd in mask.reads
+                 if rd.key_src[choice[rd.src]] != rd.key_dst[choice[rd.dst]]]
+        _, end, nbytes, _ = live[mask.buffer]
+        if len(moved) == len(mask.reads):
+            resharded += 1
+            assert end == mask.first  # the words die at the reshard
+            copies = [x for x in live if x[3].endswith("mask resharded")]
+            assert copies and all(a == mask.first for a, _, _, _ in copies)
+            assert max(b for _, b, _, _ in copies) == max(rd.end for rd in mask.reads)
+            for _, _, size, _ in copies:  # booleans: a quarter of one word, an eighth of both
+                assert size <= nbytes / 8 * problem.graph.values[mask.reads[0].value].size
+        elif not moved:
+            assert end == bits.end and not any(x[3].endswith("mask resharded") for x in live)
+        rows = 0.0
+        for bufs, cps in model.points():
+            total = sum(float(model.buffers[i].nbytes[choice[model.buffers[i].root]])
+                        for i in bufs)
+            total += sum(max(0.0, float(c.bytes_a[choice[c.a]] + c.bytes_b[choice[c.b]]))
+                         for c in (model.copies[j] for j in cps)
+                         if c.key_a[choice[c.a]] != c.key_b[choice[c.b]])
+            rows = max(rows, total)
+        assert model.peak(choice) <= rows * (1 + 1e-12)
+    assert resharded

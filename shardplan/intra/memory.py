@@ -25,13 +25,13 @@ What remains (XLA's heap gaps, the rest of its schedule) is the margin (MARGIN).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 
 from shardplan.cost.model import CONTRACTIONS, FUSED
-from shardplan.intra import combiner, ilp, layouts, liveness
+from shardplan.intra import combiner, ilp, layouts, liveness, masks
+from shardplan.intra.buffers import Buffer, Copy
 from shardplan.intra.liveness import GENERATORS, lifetimes, schedule
 from shardplan.ir import primitives
 
@@ -58,33 +58,6 @@ SMALL_TEMPS = 64.0
 # gradients, which run after the combined all-reduce, would be taken for one.)
 SUMS = CONTRACTIONS | frozenset({"scatter-add"})
 CONV = "conv_general_dilated"
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Buffer:
-    """A buffer whose size is `nbytes[k]` when root `root` makes its choice k."""
-
-    root: int
-    nbytes: np.ndarray
-    start: int
-    end: int
-    what: str = ""  # what the buffer holds, for reports
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Copy:
-    """A buffer that exists only when two roots' layouts of one value differ (ilp.Copy), over
-    root choices rather than the ILP's representatives."""
-
-    a: int
-    key_a: np.ndarray
-    bytes_a: np.ndarray
-    b: int
-    key_b: np.ndarray
-    bytes_b: np.ndarray
-    start: int
-    end: int
-    what: str = ""
 
 
 class MemoryModel:
@@ -143,6 +116,7 @@ class MemoryModel:
         # and is not fused (the first layer's first dot or gather).
         self.first = min((pos[r] for v in g.inputs for r in readers.get(v, ())
                           if g.nodes[r].primitive not in FUSED), default=0)
+        generated: dict[int, int] = {}  # a generator's bits -> the index of their buffer
         static = set(g.inputs)
         for node in g.nodes:
             if all(v in static or g.values[v].is_literal for v in node.inputs):
@@ -162,6 +136,7 @@ class MemoryModel:
                         nbytes = 2 * nbytes
                     if node.primitive in GENERATORS:
                         nbytes = 2 * nbytes
+                        generated[v] = len(self.buffers) + 1  # after the counters' buffer
                         self.buffers.append(Buffer(root[m], nbytes, pos[node.id], pos[node.id],
                                                   f"{node.primitive} {node.name} counters"))
                     start = pos[node.id]
@@ -206,7 +181,14 @@ class MemoryModel:
                     root[m], nbytes, min(self.first if v in static else end, pos[node.id]),
                     pos[node.id], f"v{v} transposed for {node.primitive} {node.name}"))
         self._add_combined_holds(is_tensor)
-        self._add_operand_copies(is_tensor)
+        lay = layouts.Layouts(p, self.scale)
+        # a dropout mask's reshards, and how long the bits live, as masks.py counts them
+        self.masks, counted = masks.masks(self, lay, generated)
+        self.mask_copies = frozenset(range(len(self.copies), len(self.copies) + sum(
+            len(mk.reads) for mk in self.masks)))
+        for mk in self.masks:
+            self.copies += masks.ilp_copies(mk)
+        self._add_operand_copies(is_tensor, lay, frozenset(counted))
 
     def _add_combined_holds(self, is_tensor) -> None:
         """XLA combines the reductions of the step's gradients into one all-reduce (its
@@ -253,16 +235,16 @@ class MemoryModel:
                 self.buffers.append(Buffer(root[m], nbytes, end, end,
                                            f"{node.primitive} {node.name} all-reduced"))
 
-    def _add_operand_copies(self, is_tensor) -> None:
+    def _add_operand_copies(self, is_tensor, lay, counted: frozenset[int]) -> None:
         p = self.problem
         g, root = p.graph, p.groups.root
         readers: dict[int, list[tuple[int, int]]] = {}
         for node in g.nodes:
             for i, v in enumerate(node.inputs):
                 value = g.values[v]
-                if is_tensor(value) and value.ndim > 0 and v in p.producer:
+                if (is_tensor(value) and value.ndim > 0 and v in p.producer
+                        and v not in counted):
                     readers.setdefault(v, []).append((p.num_inputs + node.id, i))
-        lay = layouts.Layouts(p, self.scale)
 
         # A value with a fan-out member is resharded once into the fan-out's layout, which all
         # its readers read (the copies below start from it): that copy is held from the first
@@ -431,18 +413,33 @@ class MemoryModel:
 
     # -- a chosen plan's peak ----------------------------------------------------------------
 
+    def live(self, root_choice: Mapping[int, int]) -> list[tuple[int, int, float, str]]:
+        """(start, end, bytes, what) of every buffer a plan holds (root r takes its choice
+        root_choice[r]): the buffers, the copies whose layouts differ, and a dropout mask's
+        bits and reshards as XLA holds them once every layout is known (masks.py)."""
+        items = [(b.start, b.end, float(b.nbytes[root_choice[b.root]]), b.what)
+                 for b in self.buffers]
+        for mk in self.masks:
+            b = self.buffers[mk.buffer]
+            end, copies = masks.evaluate(mk, b.start, b.end, root_choice)
+            items[mk.buffer] = (b.start, end, items[mk.buffer][2], b.what)
+            items += [(lo, hi, nbytes, f"{b.what}: mask resharded") for lo, hi, nbytes in copies]
+        for j, c in enumerate(self.copies):
+            ka, kb = root_choice[c.a], root_choice[c.b]
+            if j not in self.mask_copies and c.key_a[ka] != c.key_b[kb]:
+                items.append((c.start, c.end, max(0.0, float(c.bytes_a[ka] + c.bytes_b[kb])),
+                              c.what))
+        return items
+
     def peak(self, root_choice: Mapping[int, int]) -> float:
         """The peak bytes per device when each root r takes choice root_choice[r]: the most
-        bytes live at one moment, swept over the buffers' intervals (the maximum is at one of
-        the points(), where the rows are)."""
-        items = [(b.start, b.end, float(b.nbytes[root_choice[b.root]])) for b in self.buffers]
-        for c in self.copies:
-            ka, kb = root_choice[c.a], root_choice[c.b]
-            if c.key_a[ka] != c.key_b[kb]:
-                items.append((c.start, c.end, max(0.0, float(c.bytes_a[ka] + c.bytes_b[kb]))))
+        bytes live at one moment, swept over the intervals of live(). Never above the rows
+        at the points() (masks.py: the rows count a mask's bits to its last read)."""
+        items = self.live(root_choice)
         if not items:
             return 0.0
-        starts, ends, sizes = (np.array(x) for x in zip(*items))
+        starts, ends, sizes, _ = zip(*items)
+        starts, ends, sizes = np.array(starts), np.array(ends), np.array(sizes)
         change = np.zeros(int(ends.max()) + 2)
         np.add.at(change, starts.astype(int), sizes)
         np.add.at(change, ends.astype(int) + 1, -sizes)
