@@ -29,8 +29,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shardplan.cost.model import CONTRACTIONS, FUSED
-from shardplan.intra import combiner, ilp, layouts, liveness, masks
+from shardplan.cost.model import FUSED
+from shardplan.intra import gradient_holds, ilp, layouts, liveness, masks, originals
 from shardplan.intra.buffers import Buffer, Copy
 from shardplan.intra.liveness import GENERATORS, lifetimes, schedule
 from shardplan.ir import primitives
@@ -52,11 +52,6 @@ MARGIN = 0.10
 # all-reduced copy, loop counters, the offsets of 16-byte alignment): 16 bytes measured on a
 # one-op step (tests/test_fuzz_plans.py), kept with room.
 SMALL_TEMPS = 64.0
-# The ops whose gradients a plan leaves as partial sums of the weights' size: the contractions
-# (a kernel's gradient) and the scatter-add of a gather's (an embedding's). (A bias's
-# reduce_sum is left out: a few hundred bytes, and a global norm's reductions of the
-# gradients, which run after the combined all-reduce, would be taken for one.)
-SUMS = CONTRACTIONS | frozenset({"scatter-add"})
 CONV = "conv_general_dilated"
 
 
@@ -117,6 +112,8 @@ class MemoryModel:
         self.first = min((pos[r] for v in g.inputs for r in readers.get(v, ())
                           if g.nodes[r].primitive not in FUSED), default=0)
         generated: dict[int, int] = {}  # a generator's bits -> the index of their buffer
+        self.owned: dict[int, int] = {}  # an intermediate -> the index of its buffer
+        self.originals: list[originals.Original] = []
         static = set(g.inputs)
         for node in g.nodes:
             if all(v in static or g.values[v].is_literal for v in node.inputs):
@@ -147,6 +144,8 @@ class MemoryModel:
                         # first layer (a rematerialized MLP's backward held both weight
                         # gradients' stacks through its forward loop)
                         start = min(start, self.first)
+                    if v not in generated:
+                        self.owned[v] = len(self.buffers)
                     self.buffers.append(Buffer(root[m], nbytes, start,
                                                last[v], f"{node.primitive} {node.name}"))
                     continue
@@ -180,7 +179,9 @@ class MemoryModel:
                 self.buffers.append(Buffer(
                     root[m], nbytes, min(self.first if v in static else end, pos[node.id]),
                     pos[node.id], f"v{v} transposed for {node.primitive} {node.name}"))
-        self._add_combined_holds(is_tensor)
+        held, copies = gradient_holds.holds(self, is_tensor)
+        self.buffers += held
+        self.copies += copies
         lay = layouts.Layouts(p, self.scale)
         # a dropout mask's reshards, and how long the bits live, as masks.py counts them
         self.masks, counted = masks.masks(self, lay, generated)
@@ -189,51 +190,6 @@ class MemoryModel:
         for mk in self.masks:
             self.copies += masks.ilp_copies(mk)
         self._add_operand_copies(is_tensor, lay, frozenset(counted))
-
-    def _add_combined_holds(self, is_tensor) -> None:
-        """XLA combines the reductions of the step's gradients into one all-reduce (its
-        combiner; intra/combiner.py), which runs once the last of them is made: a gradient
-        whose plan reduces it (a partial sum, or a reduction inside its node) is held until
-        then, not freed by its reader. (GPT on 8 devices, data parallel: every weight's
-        gradient was live at XLA's peak, just before the one all-reduce of them all; the
-        model, freeing each at its update, put the plan at 1/1.40 of its compiled peak.) The
-        all-reduce's results are written while its operands are read: both are live then
-        (memory_analysis' peak of that plan is its live peak with every gradient twice)."""
-        p = self.problem
-        g, root = p.graph, p.groups.root
-        grads = combiner.gradient_values(g, CONTRACTIONS)
-        made = [node for node in g.nodes if node.outputs and node.primitive in SUMS
-                and all(v in grads for v in node.outputs)]
-        if not made:
-            return
-        end = max(self.pos[node.id] for node in made)
-        for node in made:
-            m = p.num_inputs + node.id
-            for k, v in enumerate(node.outputs):
-                if not is_tensor(g.values[v]) or v not in self.last:
-                    continue
-                reduced = []
-                for c in range(len(p.strategies[root[m]])):
-                    s = p.strategies[m][p.groups.pick[m][c]]
-                    reduced.append(bool(s.out_specs[k].partial) or any(
-                        x.kind in ("all-reduce", "reduce-scatter") for x in s.comms))
-                nbytes = self.scale * np.ceil([cost_bytes if r else 0.0 for r, cost_bytes in zip(
-                    reduced, (p.cost.value_bytes(g.values[v], p.out_spec(m, k, c))
-                              for c in range(len(reduced))))])
-                if not nbytes.any():
-                    continue
-                # a value XLA would fold away (a gather's gradient scattered into the add
-                # that sums it with another) is written when it is reduced: an all-reduce's
-                # operand is a buffer (GPT on 8 devices: the embedding's scattered gradient and
-                # its result in the combined all-reduce, 128 KiB the model missed)
-                held_from = self.pos[node.id] if v in self.virtual else self.last[v] + 1
-                if held_from <= end:
-                    self.buffers.append(Buffer(root[m], nbytes, held_from, end,
-                                               f"{node.primitive} {node.name} held for the "
-                                               "combined all-reduce"))
-                # the all-reduce writes its results while it reads its operands
-                self.buffers.append(Buffer(root[m], nbytes, end, end,
-                                           f"{node.primitive} {node.name} all-reduced"))
 
     def _add_operand_copies(self, is_tensor, lay, counted: frozenset[int]) -> None:
         p = self.problem
@@ -285,6 +241,12 @@ class MemoryModel:
         # of the two (a GPT on 2x4 held every kernel whole from its forward dot to its
         # backward one: estimate 0.86x its compiled peak counting the forward's half).
         hoist = len(p.mesh.useful_axes()) == 1
+        n_in, fanned = p.num_inputs, set(p.fanout_of) | {s for s, _, _ in g.carry_edges()}
+
+        def through(m):  # the last read by node m, through what is fused into it
+            return max([self.pos[m - n_in], *(self.last[o] for o in g.nodes[m - n_in].outputs
+                                              if o in self.virtual and o in self.last)])
+
         for v in sorted(readers):
             src, out_idx = p.source[v]
             rs = root[src]
@@ -293,6 +255,10 @@ class MemoryModel:
             movers = [(m, i) for m, i in readers[v] if root[m] != rs]
             if not movers:
                 continue
+            # how long the value itself is read or resharded from (originals.py)
+            own = None if v in fanned else self.owned.get(v)
+            floor = max([0, *(through(m) for m, _ in readers[v] if root[m] == rs)])
+            needs = []
             # A copy is shared with the later readers that could want the same layout: the
             # ops that gather an operand (a dot, a gather...), not the fused elementwise ones
             # (an optimizer's update reads a weight in its own layout, not the gathered one).
@@ -304,6 +270,10 @@ class MemoryModel:
                 dsts = lay.of(m, "in", i)
                 key = (rm, dsts[1])
                 ka, kb, same = lay.keys(srcs, dsts)
+                if same:
+                    floor = max(floor, through(m))
+                else:
+                    needs.append(originals.Need(through(m), rs, ka, rm, kb, True))
                 if key in seen or same:
                     continue
                 seen.add(key)
@@ -334,15 +304,23 @@ class MemoryModel:
                     kh, km, _ = lay.keys(held[1], dsts)
                     self.copies.append(Copy(held[0], kh, np.zeros(len(kh)), rm, km, nbytes,
                                             start, last, f"reshard of v{v} for {what}"))
+                    needs.append(originals.Need(at, held[0], kh, rm, km, False))
                 else:
                     self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start,
                                             last, f"reshard of v{v} for {what}"))
+                    if held is None:
+                        floor = max(floor, at)
+                    else:
+                        needs.append(originals.Need(at, rs, ka, rm, kb, False))
                     held = held or (rm, dsts)
                 if primitives.info(g.nodes[m - p.num_inputs].primitive).leader:
                     # A gathered operand of a dot is copied once more into the layout the dot
                     # reads (XLA's layout assignment), for the moment of the dot.
                     self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, at, at,
                                             f"layout copy of v{v} for {what}"))
+            if own is not None and floor < self.buffers[own].end:
+                floor = max(floor, self.buffers[own].start)
+                self.originals.append(originals.Original(own, floor, tuple(needs)))
 
     # -- points -----------------------------------------------------------------------------
 
@@ -419,6 +397,10 @@ class MemoryModel:
         bits and reshards as XLA holds them once every layout is known (masks.py)."""
         items = [(b.start, b.end, float(b.nbytes[root_choice[b.root]]), b.what)
                  for b in self.buffers]
+        for o in self.originals:  # an activation read only through copies (originals.py)
+            b = self.buffers[o.buffer]
+            items[o.buffer] = (b.start, originals.evaluate(o, b.end, root_choice),
+                               items[o.buffer][2], b.what)
         for mk in self.masks:
             b = self.buffers[mk.buffer]
             end, copies = masks.evaluate(mk, b.start, b.end, root_choice)
