@@ -129,7 +129,7 @@ def outer(graph, node, v) -> bool:
                for u in node.inputs)
 
 
-def _constants(graph) -> set[int]:
+def constants(graph) -> set[int]:
     """The values computed from literals alone (no input of the step feeds them)."""
     constant: set[int] = set()
     for node in graph.nodes:
@@ -166,7 +166,7 @@ def unwritten(graph, readers, outputs) -> set[int]:
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
     fused = FUSED - UNFUSED
     takes_in = fused - REDUCTIONS
-    constant = _constants(graph)
+    constant = constants(graph)
     virtual: set[int] = set()
     for node in graph.nodes:
         for v in node.outputs:

@@ -1,0 +1,35 @@
+"""The memory model's buffers (intra/memory.py): one whose size is one member's choice, and a
+reshard's copy that exists only when two members' layouts of one value differ."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Buffer:
+    """A buffer whose size is `nbytes[k]` when root `root` makes its choice k."""
+
+    root: int
+    nbytes: np.ndarray
+    start: int
+    end: int
+    what: str = ""  # what the buffer holds, for reports
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Copy:
+    """A buffer that exists only when two roots' layouts of one value differ (ilp.Copy), over
+    root choices rather than the ILP's representatives."""
+
+    a: int
+    key_a: np.ndarray
+    bytes_a: np.ndarray
+    b: int
+    key_b: np.ndarray
+    bytes_b: np.ndarray
+    start: int
+    end: int
+    what: str = ""
