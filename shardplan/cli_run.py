@@ -176,7 +176,7 @@ def measured(config: Config, work: Workload, plan, options, phases: Phases):
     with phases(f"compiling and pricing the candidates on mesh {label}"):
         kept = select_measured(traced, graph, plan, plan.mesh, hw, options,
                                deadline=Deadline(options.time_limit), start=start,
-                               compile_one=compile_one)
+                               compile_one=compile_one, completion_s=options.time_limit)
     return dataclasses.replace(kept, search_s=plan.search_s + kept.search_s,
                                fingerprint=fingerprint.of_step(traced, plan.mesh))
 
@@ -234,7 +234,7 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
     if wanted is None or missing:
         options = dataclasses.replace(config.search_options(), measure=False)
         traced, graph = _traced(work, options)
-        complete = completer(graph, traced, plan.mesh, hw, options, Deadline(options.time_limit),
+        complete = completer(graph, traced, plan.mesh, hw, options, options.time_limit,
                              device_mesh=mesh)
         written = expert_plans(graph, plan, complete=complete)
         repeats = depth.layer_period(graph)

@@ -151,15 +151,17 @@ def _complete(complete, fixed: dict[int, ShardSpec]) -> Plan | None:
 
 
 def completer(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
-              options: SearchOptions, deadline: Deadline, **where
+              options: SearchOptions, deadline: Deadline | float, **where
               ) -> Callable[[dict[int, ShardSpec]], Plan]:
     """fixed inputs -> the plan the ILP completes around them (no memory budget: an expert
-    plan is what it is; the measured selection judges its compiled peak), within `deadline`;
-    `where`: plan_graph's device_mesh / device_order / donated."""
+    plan is what it is; the measured selection judges its compiled peak), within `deadline`
+    or, given seconds, that many each (a search that used up a shared one left FSDP on
+    gpt-6.7b 8x8 its inputs alone: 2.48 s priced); `where`: plan_graph's keywords."""
     free = dataclasses.replace(options, memory_budget=None)
 
     def complete(fixed: dict[int, ShardSpec]) -> Plan:
-        return plan_graph(graph, traced, mesh_shape, hw, free, deadline=deadline,
+        own = Deadline(deadline) if isinstance(deadline, (int, float)) else deadline
+        return plan_graph(graph, traced, mesh_shape, hw, free, deadline=own,
                           fixed_inputs=fixed, **where)[0]
 
     return complete
@@ -353,10 +355,12 @@ def select_measured(traced: TracedStep, graph: Graph, plan: Plan, mesh_shape: Me
                     device_order: Sequence[int] | None = None,
                     donate_argnums: Sequence[int] | None = None,
                     compile_one: Callable[[str, Plan], MeasuredProgram] | None = None,
-                    progress: Callable[[str], Any] | None = None) -> Plan:
+                    progress: Callable[[str], Any] | None = None,
+                    completion_s: float | None = None) -> Plan:
     """The measured selection (`select`) of the searched `plan` of the lifted step `graph`:
-    re-plans and expert completions by the ILP within `deadline`, on `device_mesh` or CPU
-    devices standing in for the cluster; `compile_one`: select's."""
+    re-plans and expert completions by the ILP within `deadline` (each completion within
+    `completion_s` where given), on `device_mesh` or CPU devices standing in for the
+    cluster; `compile_one`: select's."""
 
     def replan(ilp_budget: float) -> Plan:
         with warnings.catch_warnings():  # the first plan has warned about the same graph
@@ -367,7 +371,8 @@ def select_measured(traced: TracedStep, graph: Graph, plan: Plan, mesh_shape: Me
                               donated=donated_inputs(traced, donate_argnums))[0]
 
     mesh = device_mesh if device_mesh is not None else cpu_mesh(mesh_shape)
-    complete = completer(graph, traced, mesh_shape, hw, options, deadline,
+    complete = completer(graph, traced, mesh_shape, hw, options,
+                         deadline if completion_s is None else completion_s,
                          device_mesh=device_mesh, device_order=device_order,
                          donated=donated_inputs(traced, donate_argnums))
     plan, _ = select(graph, traced, plan, mesh, hw, memory_budget=options.memory_budget,
