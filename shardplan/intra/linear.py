@@ -215,7 +215,7 @@ def mip(inp: SolverInput):
 
     options = {"mip_rel_gap": MIP_GAP}
     if _budgeted(inp):
-        lp = _relaxation(inp, obj, lb, ub, matrix, rlo, rhi)
+        lp = _relaxation(inp, obj, lb, ub, matrix, rlo, rhi, presolve=True)
         found = _within_budget(inp, lp, lambda keep: run(options, keep), obj, num_x,
                                model.num_01, choice_of)
         if found is not None:
@@ -249,7 +249,7 @@ def mip(inp: SolverInput):
     return ("optimal" if status == 0 else "feasible"), choice_of(sol)
 
 
-def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi):
+def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi, presolve: bool = False):
     """The LP relaxation (rows equalities or upper bounds) solved by HiGHS through linprog,
     which returns its reduced costs, and its status (0: solved, 2: infeasible). HiGHS's
     presolve is off: it removes little from these cores (presolve.py has) and cost more than
@@ -262,7 +262,7 @@ def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi):
             obj, A_ub=matrix[~eq], b_ub=rhi[~eq], A_eq=matrix[eq], b_eq=rhi[eq],
             bounds=np.stack([lb, ub], axis=1), method="highs",
             options={"time_limit": max(0.01, min(inp.time_limit_s, inp.remaining())),
-                     "disp": False, "presolve": False})
+                     "disp": False, "presolve": presolve})
     return lp
 
 
