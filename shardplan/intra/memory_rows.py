@@ -3,8 +3,9 @@
 A row is one moment where the live set can peak: what every buffer live then weighs under its
 representative's choice, plus the copies live then. An unrolled 48-layer GPT has 6k buffers,
 25k copies and 11k such moments, 36M (moment, live item) pairs: summed buffer by buffer in
-Python the rows took 21 of a 30 s search; here each representative's rows are one running sum
-over the moments, and each row's copies one slice of a sparse matrix.
+Python the rows took 21 of a 30 s search; here each representative's bytes are summed once
+per span of moments where what it holds does not change, and each row's copies are one slice of
+a sparse matrix.
 """
 
 from __future__ import annotations
