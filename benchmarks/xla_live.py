@@ -1,8 +1,9 @@
 """XLA's live set, from a compile dumped with --xla_dump_to=DIR --xla_dump_hlo_as_text: the bytes
 live at each step of its schedule and the buffers live at its peak (or at a step given).
 
-The sizes come from DIR's *buffer-assignment.txt, the intervals from the BufferLiveRange section
-of *live-range.txt. Its own "Live ranges at N (peak)" is not memory_analysis' peak: on a GPT on 8
+The sizes come from DIR's *buffer-assignment.txt (a loop's results too, listed as "(phi)"
+values: without them gpt-6.7b's threefry loops' bits, 3.3 GB, went missing and the heap looked
+52% gappy), the intervals from the BufferLiveRange section of *live-range.txt. Its own "Live ranges at N (peak)" is not memory_analysis' peak: on a GPT on 8
 devices it listed 1.18 MB where the intervals hold 1.44 MB at the gradients' combined
 all-reduce, which memory_analysis() reports (1.45 MB: temp allocation 811464 bytes for 810064
 live). The temp allocation exceeds the temporaries' live peak by XLA's heap gaps (0.2-3.6% on
@@ -37,7 +38,7 @@ def read(dump_dir: str):
         if m:
             alloc = m.group(1)
             continue
-        m = re.match(r" value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\)", line)
+        m = re.match(r" value: <\d+ (\S+)(?: \(\w+\))? @\d+> \(size=(\d+),offset=\d+\)", line)
         if m:
             size[m.group(1)], kind[m.group(1)] = int(m.group(2)), alloc
     temp = re.search(r"allocation \d+: size (\d+), preallocated-temp", assignment)
