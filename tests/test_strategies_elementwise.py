@@ -104,6 +104,14 @@ def test_partial_sums_pass_only_through_linear_ops():
     assert not _partials(_strategies(lambda a: a + 1.0, F, prim="add"))  # a literal is no sum
     assert not _partials(_strategies(lambda a: a.astype(jnp.int32), F,
                                      prim="convert_element_type"))
+    # A partial sum is reduced before a widening convert (XLA reduces a dot's partial result
+    # where the dot makes it: a bf16 weight gradient is all-reduced in bf16, then widened to
+    # its f32 parameter's dtype); a narrowing one carries it
+    bf16 = jax.ShapeDtypeStruct(F.shape, jnp.bfloat16)
+    assert not _partials(_strategies(lambda a: a.astype(jnp.float32), bf16,
+                                     prim="convert_element_type"))
+    assert _partials(_strategies(lambda a: a.astype(jnp.bfloat16), F,
+                                 prim="convert_element_type"))
     # XLA reduces both operands of an add before adding: no partial sum passes through it
     assert not _partials(_strategies(lambda a, b: a + b, F, F, prim="add"))
     negs = _partials(_strategies(jnp.negative, F, prim="neg"))

@@ -50,7 +50,14 @@ def linear_carriers(node: Node, graph: Graph) -> list[tuple[int, ...]]:
     partitioner reduces each operand before the add, measured with jax 0.10.2 on
     `a @ b + c @ d` with the contraction split, so offering it would price one all-reduce
     where the program runs two)."""
+    if node.primitive == "convert_element_type" and _widens(node, graph):
+        return []
     return [(k,) for k in primitives.info(node.primitive).linear if k < len(node.inputs)]
+
+
+def _widens(node: Node, graph: Graph) -> bool:
+    """A convert to a wider dtype (a bf16 weight gradient to its f32 parameter's dtype)."""
+    return graph.values[node.outputs[0]].itemsize > graph.values[node.inputs[0]].itemsize
 
 
 def elementwise_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
