@@ -58,12 +58,18 @@ class ProgramStats:
     io_bytes: float = 0.0
     """Bytes per device of the step's arguments read and results written
     (analysis/hlo_bytes.py io_bytes): charged with the contraction bytes."""
+    widened_contraction_bytes: float = 0.0
+    """Of contraction_bytes, the f32 buffers that hold 16-bit floats (XLA:CPU computes bf16
+    dots in f32: hlo_bytes.contraction_traffic)."""
 
     def formed(self) -> ProgramStats:
-        """The program as a GPU or TPU compiler would run its collectives: every
-        "all-reduce, keep a slice" a reduce-scatter (CollectiveOp.formed)."""
+        """The program as a GPU or TPU compiler would run it: every "all-reduce, keep a
+        slice" a reduce-scatter, bf16 values sent as bf16 (CollectiveOp.formed), and its
+        bf16 dots reading and writing 16-bit values (widened_contraction_bytes halved)."""
         ops = tuple(f for c in self.collectives for f in c.formed())
-        return dataclasses.replace(self, collectives=ops)
+        return dataclasses.replace(
+            self, collectives=ops, widened_contraction_bytes=0.0,
+            contraction_bytes=self.contraction_bytes - self.widened_contraction_bytes / 2)
 
     @property
     def bytes_sent(self) -> float:
@@ -134,6 +140,7 @@ def analyze(compiled: Any) -> ProgramStats:
     flops, trans, accessed = _cost_numbers(compiled.cost_analysis())
     extra = hlo_flops.loop_extra_flops(text)
     mem = compiled.memory_analysis()
+    traffic, widened = hlo_bytes.contraction_traffic(text)
 
     def field(name: str) -> int:
         return int(getattr(mem, name, 0) or 0)
@@ -146,5 +153,6 @@ def analyze(compiled: Any) -> ProgramStats:
         peak_bytes=arg + out + temp - alias,
         generated_code_bytes=field("generated_code_size_in_bytes"),
         xla_peak_bytes=field("peak_memory_in_bytes"), num_devices=n, loop_flops=extra,
-        contraction_bytes=hlo_bytes.contraction_bytes(text), io_bytes=hlo_bytes.io_bytes(text),
+        contraction_bytes=traffic, widened_contraction_bytes=widened,
+        io_bytes=hlo_bytes.io_bytes(text),
     )

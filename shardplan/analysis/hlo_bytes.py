@@ -4,7 +4,8 @@ convolution (alone or fused with its neighbours) reads and writes per device.
 This is the memory-bound term of the compute time both the pricer (analysis/price.py) and
 the cost model (cost/model.py) use: a contraction reads its operands from memory and writes
 its result on every backend (cuBLAS, the TPU's MXU, XLA:CPU's Eigen), so its traffic is the
-same wherever the program is compiled. The traffic of elementwise and reduction fusions is
+same wherever the program is compiled, but for the width of 16-bit floats, which XLA:CPU
+widens to f32 around a bf16 dot (contraction_traffic tells those bytes apart). The traffic of elementwise and reduction fusions is
 not: XLA:CPU draws smaller fusions than XLA:GPU or XLA:TPU (measured on GPT-2 124M on 8 CPU
 devices: 44 GB `bytes accessed` per device against 16 GB for one fusion per run of fusible
 ops), so the CPU figure would price the accelerator's elementwise work at the CPU's fusion.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import functools
 import re
 
-from shardplan.analysis import hlo_parse
+from shardplan.analysis import hlo_parse, hlo_uses
 
 CONTRACTIONS = frozenset({"dot", "convolution"})
 _TRIPS = re.compile(r'known_trip_count"?\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
@@ -36,36 +37,58 @@ def contraction_bytes(text: str) -> float:
     """Bytes per device read and written by the program's contractions (top-level dots and
     convolutions and the fusions that hold one), loop bodies times their known trip counts
     (once when unknown)."""
+    return contraction_traffic(text)[0]
+
+
+@functools.lru_cache(maxsize=4)
+def contraction_traffic(text: str) -> tuple[float, float]:
+    """(contraction_bytes, the part of them that are f32 buffers holding 16-bit floats).
+    XLA:CPU computes a bf16 dot in f32 (JAX-NOTES): its operands are bf16 values converted
+    to f32 before it, and where every reader converts its result back, so is the result; a
+    GPU or TPU reads and writes them at 16 bits (ProgramStats.formed halves them)."""
     module = parse_module_cached(text)
     comps = module.computations
     holds = {name: any(i.opcode in CONTRACTIONS for i in instrs) for name, instrs in comps.items()}
 
-    def walk(comp: str, times: int, seen: frozenset) -> float:
+    def walk(comp: str, times: int, seen: frozenset) -> tuple[float, float]:
         instrs = comps.get(comp, [])
         shapes = {i.name: i.shape for i in instrs}
-        total = 0.0
+        users = hlo_uses.Users(instrs)
+        total = widened = 0.0
         for i in instrs:
             if i.opcode == "while":
                 m = _TRIPS.search(i.attrs.get("backend_config", ""))
                 body = i.attrs.get("body", "").lstrip("%")
                 if body not in seen:
-                    total += walk(body, times * (int(m.group(1)) if m else 1), seen | {body})
+                    t, w = walk(body, times * (int(m.group(1)) if m else 1), seen | {body})
+                    total, widened = total + t, widened + w
                 continue
             if i.opcode in ("call", "conditional"):
                 for callee in re.findall(r"%?([\w.\-]+)", i.attrs.get("to_apply", "")
                                          + "," + i.attrs.get("branch_computations", "")):
                     if callee in comps and callee not in seen:
-                        total += walk(callee, times, seen | {callee})
+                        t, w = walk(callee, times, seen | {callee})
+                        total, widened = total + t, widened + w
                 continue
             called = i.attrs.get("calls", "").lstrip("%")
             if i.opcode in CONTRACTIONS or (i.opcode == "fusion" and holds.get(called)):
-                moved = hlo_parse.nbytes(hlo_parse.arrays(i.shape))
-                moved += sum(hlo_parse.nbytes(hlo_parse.arrays(shapes.get(o, "")))
-                             for o in _operand_names(i.operands))
+                result = hlo_parse.nbytes(hlo_parse.arrays(i.shape))
+                moved = result
+                readers = users.direct(i.name)
+                if readers and all(hlo_uses.to_narrow(module, r, i.name) for r in readers):
+                    widened += times * _f32_bytes(i.shape)
+                for o in _operand_names(i.operands):
+                    moved += hlo_parse.nbytes(hlo_parse.arrays(shapes.get(o, "")))
+                    if hlo_uses.from_narrow(module, users.get(o), shapes):
+                        widened += times * _f32_bytes(shapes.get(o, ""))
                 total += times * moved
-        return total
+        return total, widened
 
     return walk(module.entry, 1, frozenset({module.entry}))
+
+
+def _f32_bytes(shape: str) -> int:
+    return hlo_parse.nbytes([(d, t) for d, t in hlo_parse.arrays(shape) if t == "f32"])
 
 
 def io_bytes(text: str) -> float:

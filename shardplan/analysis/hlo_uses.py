@@ -169,14 +169,22 @@ def _narrow_type(shape: str) -> bool:
     return bool(arrays) and all(t in _NARROW for _, t in arrays)
 
 
-def _from_narrow(module: hlo_parse.Module, producer: hlo_parse.Instr | None, shapes: Mapping[str, str]) -> bool:
-    """Whether `producer` (a convert, or a fusion whose root is one) widens 16-bit floats."""
+_RELAYOUTS = frozenset({"bitcast", "reshape", "copy"})
+
+
+def from_narrow(module: hlo_parse.Module, producer: hlo_parse.Instr | None,
+                shapes: Mapping[str, str]) -> bool:
+    """Whether `producer` (a convert, or a fusion whose root is one, maybe bitcast or copied
+    after it) widens 16-bit floats."""
     if producer is not None and producer.opcode == "fusion":
         body = _root(module, producer)
         if body is None:
             return False
         called = re.findall(r"%?([^\s{},%]+)", producer.attrs.get("calls", ""))[0]
-        shapes = {i.name: i.shape for i in module.computations[called]}
+        instrs = {i.name: i for i in module.computations[called]}
+        shapes = {name: i.shape for name, i in instrs.items()}
+        while body is not None and body.opcode in _RELAYOUTS:
+            body = instrs.get(hlo_parse.split_top(body.operands)[0].split()[-1].lstrip("%"))
         producer = body
     if producer is None or producer.opcode != "convert":
         return False
@@ -185,7 +193,7 @@ def _from_narrow(module: hlo_parse.Module, producer: hlo_parse.Instr | None, sha
     return _narrow_type(source_shape)
 
 
-def _to_narrow(module: hlo_parse.Module, user: hlo_parse.Instr, operand: str) -> bool:
+def to_narrow(module: hlo_parse.Module, user: hlo_parse.Instr, operand: str) -> bool:
     """Whether `user` converts its `operand` to 16-bit floats before anything else reads it."""
     if user.opcode == "convert":
         return _narrow_type(user.shape)
@@ -217,14 +225,14 @@ def widened_bytes(instr: hlo_parse.Instr, arrays, users: UseSite, module: hlo_pa
     for k, (dims, ty) in enumerate(arrays):
         if ty != "f32":
             continue
-        narrow = len(names) == len(arrays) and _from_narrow(module, table.get(names[k]), shapes)
+        narrow = len(names) == len(arrays) and from_narrow(module, table.get(names[k]), shapes)
         if not narrow and reduce:
             if is_tuple:  # element k is read through get-tuple-element
                 gte = [u for u in table.direct(users.name) if u.attrs.get("index") == str(k)]
                 readers = [(r, g.name) for g in gte for r in table.direct(g.name)]
             else:
                 readers = [(r, users.name) for r in table.direct(users.name)]
-            narrow = bool(readers) and all(_to_narrow(module, r, x) for r, x in readers)
+            narrow = bool(readers) and all(to_narrow(module, r, x) for r, x in readers)
         if narrow:
             total += hlo_parse.nbytes([(dims, ty)])
     return total
