@@ -77,6 +77,30 @@ def test_a_bf16_dot_reads_and_writes_16_bit_values_on_an_accelerator(devices):
         jax.numpy.tanh(x.astype("float32")).astype(x.dtype).reshape(256, 64) @ w)
     stats = hlo.analyze(jax.jit(norm).lower(x3, w3).compile())
     assert stats.formed().contraction_bytes == 2 * (256 * 64 + 64 * 128 + 256 * 128)
+    # an attention's gradient (as models/layers.py writes it: scores in f32, probabilities
+    # cast to bf16): XLA:CPU transposes the widened q, k and v into its dots, which move
+    # what the jaxpr's dots read and write
+    import math
+
+    import numpy as np
+
+    q = jax.numpy.ones((2, 128, 4, 32), jax.numpy.bfloat16)
+
+    def attention(q, k, v):
+        scores = jax.numpy.einsum("bqnd,bknd->bnqk", q, k).astype("float32") / math.sqrt(32)
+        scores = jax.numpy.where(jax.numpy.tril(jax.numpy.ones((128, 128), bool)), scores,
+                                 jax.numpy.finfo("float32").min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        return jax.numpy.sum(jax.numpy.einsum("bnqk,bknd->bqnd", probs, v).astype("float32")
+                             ** 2)
+
+    grad = jax.grad(attention, argnums=(0, 1, 2))
+    dots = [e for e in jax.make_jaxpr(grad)(q, q, q).jaxpr.eqns
+            if e.primitive.name == "dot_general"]
+    planned = sum(np.prod(x.aval.shape) * x.aval.dtype.itemsize
+                  for e in dots for x in (*e.invars, *e.outvars))
+    stats = hlo.analyze(jax.jit(grad).lower(q, q, q).compile())
+    assert stats.formed().contraction_bytes == planned  # 1.17x without the transposes
 
 
 def test_io_bytes_are_the_steps_arguments_and_results(devices):

@@ -169,13 +169,13 @@ def _narrow_type(shape: str) -> bool:
     return bool(arrays) and all(t in _NARROW for _, t in arrays)
 
 
-_RELAYOUTS = frozenset({"bitcast", "reshape", "copy"})
+_RELAYOUTS = frozenset({"bitcast", "reshape", "copy", "transpose"})
 
 
 def from_narrow(module: hlo_parse.Module, producer: hlo_parse.Instr | None,
                 shapes: Mapping[str, str]) -> bool:
-    """Whether `producer` (a convert, or a fusion whose root is one, maybe bitcast or copied
-    after it) widens 16-bit floats."""
+    """Whether `producer` (a convert, or a fusion whose root is one, maybe bitcast, copied or
+    transposed after it) widens 16-bit floats."""
     if producer is not None and producer.opcode == "fusion":
         body = _root(module, producer)
         if body is None:
