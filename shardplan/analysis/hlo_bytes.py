@@ -5,8 +5,8 @@ This is the memory-bound term of the compute time both the pricer (analysis/pric
 the cost model (cost/model.py) use: a contraction reads its operands from memory and writes
 its result on every backend (cuBLAS, the TPU's MXU, XLA:CPU's Eigen), so its traffic is the
 same wherever the program is compiled, but for the width of 16-bit floats, which XLA:CPU
-widens to f32 around a bf16 dot (contraction_traffic tells those bytes apart). The traffic of elementwise and reduction fusions is
-not: XLA:CPU draws smaller fusions than XLA:GPU or XLA:TPU (measured on GPT-2 124M on 8 CPU
+widens to f32 around a bf16 dot (contraction_traffic tells those bytes apart). The traffic
+of elementwise and reduction fusions is not: XLA:CPU draws smaller fusions than XLA:GPU or XLA:TPU (measured on GPT-2 124M on 8 CPU
 devices: 44 GB `bytes accessed` per device against 16 GB for one fusion per run of fusible
 ops), so the CPU figure would price the accelerator's elementwise work at the CPU's fusion.
 Instruction bytes are counted as HloCostAnalysis counts them (operands + result), which
@@ -72,8 +72,7 @@ def contraction_traffic(text: str) -> tuple[float, float]:
                 continue
             called = i.attrs.get("calls", "").lstrip("%")
             if i.opcode in CONTRACTIONS or (i.opcode == "fusion" and holds.get(called)):
-                result = hlo_parse.nbytes(hlo_parse.arrays(i.shape))
-                moved = result
+                moved = hlo_parse.nbytes(hlo_parse.arrays(i.shape))
                 readers = users.direct(i.name)
                 if readers and all(hlo_uses.to_narrow(module, r, i.name) for r in readers):
                     widened += times * _f32_bytes(i.shape)
