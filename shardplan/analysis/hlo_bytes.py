@@ -6,9 +6,10 @@ the cost model (cost/model.py) use: a contraction reads its operands from memory
 its result on every backend (cuBLAS, the TPU's MXU, XLA:CPU's Eigen), so its traffic is the
 same wherever the program is compiled, but for the width of 16-bit floats, which XLA:CPU
 widens to f32 around a bf16 dot (contraction_traffic tells those bytes apart). The traffic
-of elementwise and reduction fusions is not: XLA:CPU draws smaller fusions than XLA:GPU or XLA:TPU (measured on GPT-2 124M on 8 CPU
-devices: 44 GB `bytes accessed` per device against 16 GB for one fusion per run of fusible
-ops), so the CPU figure would price the accelerator's elementwise work at the CPU's fusion.
+of elementwise and reduction fusions is not: XLA:CPU draws smaller fusions than XLA:GPU or
+XLA:TPU (measured on GPT-2 124M on 8 CPU devices: 44 GB `bytes accessed` per device against
+16 GB for one fusion per run of fusible ops), so the CPU figure would price the
+accelerator's elementwise work at the CPU's fusion.
 Instruction bytes are counted as HloCostAnalysis counts them (operands + result), which
 matches `compiled.cost_analysis()['bytes accessed']` instruction by instruction.
 """
