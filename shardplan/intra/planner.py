@@ -19,6 +19,7 @@ from shardplan.ir.graph import Graph
 from shardplan.strategies import coverage as coverage_mod
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
+from shardplan.units import Deadline
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,6 +62,23 @@ def _pinned(problem: Problem, inp: ilp.SolverInput, fixed: Mapping[int, ShardSpe
                                time_limit_s=min(inp.time_limit_s, 3.0))
 
 
+# Under a budget and a deadline, the share of the time kept from the free solve for the
+# expert seeds after it, should it not prove its plan optimal: a budgeted free solve that ran
+# to the end left them none, and they were evaluated, not completed (llama-7b on 8x8 under
+# 80 GB: its LP alone took the 30 s, and the 2-D expert's inputs, each other node at its
+# cheapest, cost 661 ms where their completion by the ILP costs 255 ms, compiled).
+SEED_SHARE = 0.25
+
+
+def _leaving_seeds_time(inp: ilp.SolverInput, seeds) -> ilp.SolverInput:
+    """`inp` for the free solve: under a budget with seeds to follow, its deadline ends early
+    enough to leave them SEED_SHARE of the time (no grace past it)."""
+    if not seeds or inp.deadline is None or inp.memory_budget is None:
+        return inp
+    left = max(0.0, inp.deadline.limit_s - inp.deadline.elapsed())
+    return dataclasses.replace(inp, deadline=Deadline(left * (1 - SEED_SHARE), grace=0.0))
+
+
 def _seeded(pinned: ilp.SolverInput, time_limit_s: float) -> ilp.Solution:
     """The best plan with an expert's inputs. Under a budget, first as measure writes the
     expert's plan (shardplan.measure.completer: the ILP around its inputs without the budget;
@@ -86,15 +104,17 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
     fits; when nothing that fits was found, SearchTimeout (never InfeasibleMemory, which
     needs a proof)."""
     deadline = options.deadline
+    seeds = (experts.expert_inputs(problem.graph, problem.mesh)
+             if options.seed_baselines and not options.fixed_inputs else {})
     candidates, notes, timeout = [], [], None
     try:
-        candidates.append(("searched", ilp.solve(inp)))
+        candidates.append(("searched", ilp.solve(_leaving_seeds_time(inp, seeds))))
     except ilp.SearchTimeout as e:
         timeout = e
     proven = bool(candidates) and candidates[0][1].optimal
     skipped = []
-    if options.seed_baselines and not options.fixed_inputs and not proven:
-        for name, fixed in experts.expert_inputs(problem.graph, problem.mesh).items():
+    if not proven:
+        for name, fixed in seeds.items():
             pinned = _pinned(problem, inp, fixed)
             if pinned is None:
                 continue
