@@ -16,7 +16,8 @@ the LP is solved at once (solve_at_once)."""
 from __future__ import annotations
 
 import warnings
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 from scipy import optimize, sparse
@@ -82,7 +83,8 @@ def solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy: np.ndarray,
     waiting = np.flatnonzero(lazy)
     slack = ROW_TOLERANCE * np.maximum(1.0, np.abs(rhi[waiting]))
     while True:
-        h.setOptionValue("time_limit", max(0.01, time_left()))
+        # HiGHS's time limit is on its run time over every run of the model so far
+        h.setOptionValue("time_limit", h.getRunTime() + max(0.01, time_left()))
         h.run()
         status = h.getModelStatus()
         if status == _highs.HighsModelStatus.kInfeasible:
