@@ -63,3 +63,12 @@ def test_lazy_rows_that_no_plan_keeps_are_infeasible():
     obj, lb, ub, matrix, rlo, rhi, lazy = _arrays(inp)
     rhi = np.where(lazy, 1.0, rhi)  # a budget below every choice's bytes
     assert relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, lambda: 10).status == 2
+
+
+def test_without_scipys_highs_binding_the_lp_is_solved_at_once(monkeypatch):
+    obj, lb, ub, matrix, rlo, rhi, lazy = _arrays(budgeted(1))
+    lazily = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, lambda: 10)
+    monkeypatch.setattr(relaxation, "_highs", None)
+    once = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, lambda: 10)
+    assert once.status == lazily.status == 0
+    assert once.fun == pytest.approx(lazily.fun, rel=1e-9)

@@ -28,7 +28,9 @@ from scipy import optimize, sparse
 
 try:  # scipy's binding of HiGHS (1.15+), private: solve_at_once where it is missing
     from scipy.optimize._highspy import _core as _highs
-except ImportError:  # pragma: no cover
+
+    _highs.HighsLp, _highs._Highs, _highs.HighsModelStatus.kOptimal  # noqa: B018
+except (ImportError, AttributeError):  # pragma: no cover
     _highs = None
 
 # A lazy row counts as kept when its activity exceeds its bound by at most this share of the
@@ -65,7 +67,7 @@ def solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy: np.ndarray,
                  time_left: Callable[[], float]) -> Relaxation:
     """The LP with the rows in `lazy` (a mask of upper bounds) added as its solutions break
     them (the module's docstring); `time_left()`: seconds HiGHS may still run."""
-    if _highs is None or not lazy.any():  # pragma: no cover
+    if _highs is None or not lazy.any():
         return solve_at_once(obj, lb, ub, matrix, rlo, rhi, time_left(), presolve=True)
     matrix = sparse.csr_matrix(matrix)
     first = np.flatnonzero(~lazy)
