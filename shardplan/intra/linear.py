@@ -9,14 +9,13 @@ with cuts in about 10 s, where CP-SAT ran 30 s (deterministic) and stopped 3.5% 
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import optimize, sparse
 
-from shardplan.intra import cpsat, presolve
+from shardplan.intra import cpsat, presolve, relaxation
 
 if TYPE_CHECKING:  # annotations only: ilp imports this module
     from shardplan.intra.ilp import SolverInput
@@ -50,7 +49,7 @@ def _uniform(node: int, choices: int) -> np.ndarray:
 def perturbed(inp: SolverInput) -> SolverInput:
     """`inp` with PERTURB's tie-breaks added to its node costs."""
     step = PERTURB * 1e8 / cpsat.scale_of(inp)
-    return dataclasses.replace(inp, node_costs=tuple(
+    return inp.replace(node_costs=tuple(
         np.asarray(c, float) + step * _uniform(i, len(c)) for i, c in enumerate(inp.node_costs)))
 
 
@@ -67,6 +66,7 @@ class _Sparse:
         self.lb, self.ub, self.obj, self.triplets, self.rlo, self.rhi = [], [], [], [], [], []
         self.num_vars = self.num_rows = 0
         self.num_01 = 0  # the first num_01 variables are 0 or 1 in every plan (choices, pairs)
+        self.budget_rows: list[int] = []  # the memory rows (each sum within the budget)
 
     def variables(self, lb, ub, obj) -> np.ndarray:
         n = len(lb)
@@ -157,6 +157,7 @@ def _sparse_memory(model: _Sparse, inp: SolverInput, x, copy_terms) -> None:
     mem_rows = inp.memory_rows or (((),) if inp.memory_base else ())
     for r, terms in enumerate(mem_rows):
         row = model.rows([-np.inf], [float(inp.memory_budget)])[0]
+        model.budget_rows.append(int(row))
         model.terms([row], [base], 1.0)
         add(row, terms)
         copies = inp.row_copies[r] if r < len(inp.row_copies) else ()
@@ -215,7 +216,10 @@ def mip(inp: SolverInput):
 
     options = {"mip_rel_gap": MIP_GAP}
     if _budgeted(inp):
-        lp = _relaxation(inp, obj, lb, ub, matrix, rlo, rhi, presolve=True)
+        lazy = np.zeros(model.num_rows, bool)
+        lazy[model.budget_rows] = True
+        lp = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy,
+                                     lambda: min(inp.time_limit_s, inp.remaining()))
         found = _within_budget(inp, lp, lambda keep: run(options, keep), obj, num_x,
                                model.num_01, choice_of)
         if found is not None:
@@ -235,8 +239,8 @@ def mip(inp: SolverInput):
         if np.isfinite(upper):
             # A column whose reduced cost lifts the LP's bound above `near`'s cost (with a
             # margin for HiGHS's tolerances) is in no optimum.
-            reduced = lp.lower.marginals + lp.upper.marginals
-            status, sol = run(options, lp.fun + reduced <= upper + 1e-6 * max(1.0, abs(upper)))
+            status, sol = run(options,
+                              lp.fun + lp.reduced <= upper + 1e-6 * max(1.0, abs(upper)))
             if status == 0:
                 return "optimal", choice_of(sol)
             if inp.remaining() <= 0:
@@ -249,23 +253,13 @@ def mip(inp: SolverInput):
     return ("optimal" if status == 0 else "feasible"), choice_of(sol)
 
 
-def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi, presolve: bool = False):
-    """The LP relaxation (rows equalities or upper bounds) solved by HiGHS through linprog,
-    which returns its reduced costs, and its status (0: solved, 2: infeasible). HiGHS's
-    presolve is off without memory rows: it removes little from these cores (presolve.py has)
-    and cost more than it saved (CPU s, on: off, GPT-2 124M on 2x4 1.07: 0.56, the scanned
-    GPT-2 1.5B on 8x8 0.55: 0.38, the unrolled one and llama-7b on 8x8 even). With them it is
-    on: a 6-layer GPT at test size on 2x4 under 80 GB spent 30 s in it without, and its
-    whole search took 5.6 s with it."""
-    eq = rlo == rhi
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
-        lp = optimize.linprog(
-            obj, A_ub=matrix[~eq], b_ub=rhi[~eq], A_eq=matrix[eq], b_eq=rhi[eq],
-            bounds=np.stack([lb, ub], axis=1), method="highs",
-            options={"time_limit": max(0.01, min(inp.time_limit_s, inp.remaining())),
-                     "disp": False, "presolve": presolve})
-    return lp
+def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi) -> relaxation.Relaxation:
+    """The LP relaxation without memory rows, HiGHS's presolve off: it removes little from
+    these cores (presolve.py has) and cost more than it saved (CPU s, on: off, GPT-2 124M on
+    2x4 1.07: 0.56, the scanned GPT-2 1.5B on 8x8 0.55: 0.38, the unrolled one and llama-7b on
+    8x8 even). With memory rows the LP is solved lazily (relaxation.solve_lazily)."""
+    return relaxation.solve_at_once(obj, lb, ub, matrix, rlo, rhi,
+                                    min(inp.time_limit_s, inp.remaining()), presolve=False)
 
 
 # Under a memory budget: guesses of how far above the LP relaxation's bound the MIP's optimum
@@ -292,7 +286,7 @@ def _within_budget(inp: SolverInput, lp, run, obj, num_x: int, num_01: int, choi
     if np.all(np.minimum(lp.x[:num_x], 1 - lp.x[:num_x]) <= INTEGRAL):
         return "optimal", choice_of(lp.x)
     unit, scale = unit_of(inp), max(1.0, abs(lp.fun))
-    reduced = lp.lower.marginals + lp.upper.marginals
+    reduced = lp.reduced
     best = None  # (cost in MIP units, choice) of the cheapest plan found that fits
 
     def offer(choice):

@@ -58,8 +58,8 @@ def _pinned(problem: Problem, inp: ilp.SolverInput, fixed: Mapping[int, ShardSpe
             return None
     hint = tuple(int(np.argmin(c)) for c in costs)
     # A seed is a guard, not the search: it gets a short time limit.
-    return dataclasses.replace(inp, node_costs=tuple(costs), hint=hint,
-                               time_limit_s=min(inp.time_limit_s, 3.0))
+    return inp.replace(node_costs=tuple(costs), hint=hint,
+                       time_limit_s=min(inp.time_limit_s, 3.0))
 
 
 # Under a budget and a deadline, the share of the time kept from the free solve for the
@@ -90,7 +90,7 @@ def _seeded(pinned: ilp.SolverInput, time_limit_s: float) -> ilp.Solution:
     obj, peak = ilp.evaluate(pinned, free.choice)
     if np.isfinite(obj) and peak <= pinned.memory_budget:
         return ilp.Solution(free.choice, obj, peak, free.optimal, free.solver)
-    return ilp.solve(dataclasses.replace(pinned, hint=free.choice))
+    return ilp.solve(pinned.replace(hint=free.choice))
 
 
 def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOptions):
