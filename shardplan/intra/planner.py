@@ -76,7 +76,7 @@ def _leaving_seeds_time(inp: ilp.SolverInput, seeds) -> ilp.SolverInput:
     if not seeds or inp.deadline is None or inp.memory_budget is None:
         return inp
     left = max(0.0, inp.deadline.limit_s - inp.deadline.elapsed())
-    return dataclasses.replace(inp, deadline=Deadline(left * (1 - SEED_SHARE), grace=0.0))
+    return inp.replace(deadline=Deadline(left * (1 - SEED_SHARE), grace=0.0))
 
 
 def _seeded(pinned: ilp.SolverInput, time_limit_s: float) -> ilp.Solution:
