@@ -100,12 +100,8 @@ def fanout_members(graph: Graph, strategies: list[list[Strategy]],
     to once (XLA reshards a value once for all consumers that want the same layout), from
     which each consumer reads. Without it, every consumer would pay the same collective.
     `across_layers`: only values read outside every named scope (by the optimizer's update)
-    as well as inside one. A step's input read by several ops (a weight read by its forward
-    and backward dots) always gets one, whatever `partial_only` and `across_layers` say: XLA
-    gathers an FSDP weight once and keeps it for the backward pass (without it, the ILP
-    priced every gather twice and planned ViT-H/14 on a TPU v4 2x4 with its weights
-    replicated, 1.07x FSDP's step compiled). (value, its fan-out's strategies) in value
-    order; `producer` maps value -> (member, output idx), members as in Groups."""
+    as well as inside one. (value, its fan-out's strategies) in value order; `producer` maps
+    value -> (member, output idx), members as in Groups."""
     g, n_in = graph, len(graph.inputs)
     readers: dict[int, set[ShardSpec]] = {}
     outside: set[int] = set()
@@ -139,10 +135,9 @@ def fanout_members(graph: Graph, strategies: list[list[Strategy]],
             continue
         p, out_idx = producer[v]
         made = {s.out_specs[out_idx] for s in strategies[p]}
-        weight = _of_an_input(g, v, producer, n_in)
-        if not weight and partial_only and not any(s.partial for s in made):
+        if partial_only and not any(s.partial for s in made):
             continue
-        if not weight and across_layers and v not in outside:
+        if across_layers and v not in outside:
             continue
         ordered = tuple(sorted(made | readers[v], key=lambda s: (len(s.used_axes()), str(s))))
         # fan-outs of the same layouts (each layer's) share one list
@@ -150,24 +145,6 @@ def fanout_members(graph: Graph, strategies: list[list[Strategy]],
             lists[ordered] = [Strategy("fanout", (s,), (s,), 0.0) for s in ordered]
         out.append((v, lists[ordered]))
     return out
-
-
-# Ops that give a step's input another dtype or shape: a weight cast to the compute dtype is
-# still the weight (its fan-out is where XLA gathers it once).
-_RECAST = frozenset({"convert_element_type", "reshape", "squeeze", "transpose", "copy"})
-
-
-def _of_an_input(graph: Graph, v: int, producer: dict[int, tuple[int, int]], n_in: int) -> bool:
-    """Whether value `v` is a step's input, or one recast (_RECAST) from it alone."""
-    while True:
-        p = producer[v][0]
-        if p < n_in:
-            return True
-        node = graph.nodes[p - n_in]
-        operands = [u for u in node.inputs if not graph.values[u].is_literal]
-        if node.primitive not in _RECAST or len(operands) != 1 or operands[0] not in producer:
-            return False
-        v = operands[0]
 
 
 _LAYER = re.compile(r"([A-Za-z][A-Za-z0-9]*?)_(\d+)(?=\W|$)")
