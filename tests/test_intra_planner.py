@@ -71,3 +71,25 @@ def test_under_a_budget_the_free_solve_leaves_the_seeds_a_share_of_the_time():
     assert planner._leaving_seeds_time(inp, {}) is inp
     unbudgeted = ilp.SolverInput(node_costs=(np.zeros(2),), deadline=deadline)
     assert planner._leaving_seeds_time(unbudgeted, seeds) is unbudgeted
+
+
+def test_a_search_that_runs_out_names_the_callers_time_limit(monkeypatch):
+    """When nothing that fits is found in time, SearchTimeout states the time limit the caller
+    gave, not the share of it the free solve had (a 30 s search said "the time limit of
+    15.658 s ran out")."""
+    from shardplan.intra import ilp, planner
+
+    def runs_out(inp):
+        raise ilp.SearchTimeout(inp.deadline.limit_s, "the ILP found no plan that fits")
+
+    monkeypatch.setattr(planner.ilp, "solve", runs_out)
+    step = models.get_model("gpt", abstract=True)
+    traced = trace(step.fn, step.args, step.state_argnums, step.batch_argnums)
+    hw, _ = parse_cluster("cpu")
+    options = DEFAULTS.replace(memory_budget=1000, time_limit=12.0,
+                               state_argnums=step.state_argnums,
+                               batch_argnums=step.batch_argnums)
+    with pytest.raises(ilp.SearchTimeout, match=r"the time limit of 12 s ran out") as caught:
+        plan_step(traced, MeshShape(("data", "model"), (2, 4)), hw, options,
+                  deadline=Deadline(12.0))
+    assert caught.value.time_limit_s == 12.0

@@ -141,7 +141,10 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
         not proven and deadline is not None and deadline.expired())
     candidates = [(n, s) for n, s in candidates if np.isfinite(s.objective)]
     if not candidates:
-        raise timeout or ilp.SearchTimeout(deadline.limit_s if deadline else inp.time_limit_s)
+        # the time limit the caller gave (the free solve's own deadline is a share of it)
+        raise ilp.SearchTimeout(
+            deadline.limit_s if deadline else inp.time_limit_s,
+            "neither the ILP nor an expert plan's inputs gave a plan that fits in it") from timeout
     best_name, best = min(candidates, key=lambda c: c[1].objective)
     if len(candidates) > 1:
         notes.append("candidates (cost model objective): " + ", ".join(
