@@ -60,15 +60,16 @@ class Problem:
         self.source = dict(self.producer)
         self.fanout_of: list[int] = []
         fanouts = options.fanouts
-        if fanouts not in ("auto", "none", "layers", "partial", "all"):
-            raise ValueError(f"fanouts={fanouts!r}: use 'auto', 'none', 'layers', 'partial' or "
-                             "'all'")
+        if fanouts not in ("auto", "none", "layers", "partial", "reduced", "all"):
+            raise ValueError(f"fanouts={fanouts!r}: use 'auto', 'none', 'layers', 'partial', "
+                             "'reduced' or 'all'")
         if fanouts == "auto":
             fanouts = "partial" if len(mesh.useful_axes()) == 1 else "layers"
         if fanouts != "none":
             for v, strategies in fanout_members(graph, self.strategies, self.producer,
                                                 partial_only=fanouts != "all",
-                                                across_layers=fanouts == "layers"):
+                                                across_layers=fanouts == "layers",
+                                                reduced_only=fanouts == "reduced"):
                 self.source[v] = (len(self.strategies), 0)
                 self.strategies.append(strategies)
                 self.fanout_of.append(v)

@@ -34,9 +34,19 @@ class IntraOptions:
     # layer) and read outside every scope: the gradients the optimizer's update reads several
     # times (global norm, moments), which a scan reduces once, into its stacked output (priced
     # per reader, the unrolled model's ZeRO plans paid each all-reduce 2-3 times and lost to
-    # the scanned model's plan); "all": exact; "none". They grow the ILP: "partial" planned
-    # GPT-2 124M in 1.2x the time on 8 devices but 6x on 2x4, so "auto" is "partial" on
-    # meshes with one useful axis and "layers" on the others.
+    # the scanned model's plan); "reduced": the values of "partial", their fan-outs in whole
+    # layouts only (XLA reduces once, where the value is first read whole); "all": exact;
+    # "none". They grow the ILP: "partial" planned GPT-2 124M in 1.2x the time on 8 devices
+    # but 6x on 2x4 (since the lazy LP: 1.07x there, and 1.35x for the unrolled GPT-2 1.5B on
+    # 8x8), so "auto" is "partial" on meshes with one useful axis and "layers" on the
+    # others. "reduced" on two axes plans that GPT-2 1.5B in 1.2x the CPU time of "layers"
+    # and finds better plans by the estimate where "layers" prices a batch norm's statistics
+    # or a layer norm's input once per reader (real size: WideResNet 250M 0.76x on 2x4 and
+    # 0.84x on 8x8, ViT-B/16 0.92x, the MoE 380M 0.93x on 8x8; GPT-2 124M 1.015x on 8x8).
+    # It is not "auto" yet: the zoo's BERT and MoE on 2x4 at test size then send 7% more
+    # than estimated (the tied embedding's gradient, a partial sum XLA reduces whole and
+    # then slices, where the model slices first), and the memory model holds the activations
+    # it fans out in a way the 2x4 memory tests were not written for.
     fanouts: str = "auto"
     # Repeated layers (numbered scopes such as layer_3) share one choice per operator.
     tie_layers: bool = True

@@ -95,13 +95,17 @@ def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: di
 
 def fanout_members(graph: Graph, strategies: list[list[Strategy]],
                    producer: dict[int, tuple[int, int]], partial_only: bool,
-                   across_layers: bool = False) -> list[tuple[int, list[Strategy]]]:
+                   across_layers: bool = False,
+                   reduced_only: bool = False) -> list[tuple[int, list[Strategy]]]:
     """A value read by several consumers gets a fan-out member: the layout it is resharded
     to once (XLA reshards a value once for all consumers that want the same layout), from
     which each consumer reads. Without it, every consumer would pay the same collective.
     `across_layers`: only values read outside every named scope (by the optimizer's update)
-    as well as inside one. (value, its fan-out's strategies) in value order; `producer` maps
-    value -> (member, output idx), members as in Groups."""
+    as well as inside one. `reduced_only`: a fan-out's layouts are the whole ones (no partial
+    sums): XLA reduces a partial value once, where it is first read whole, and its other
+    readers read that (a reader that takes a partial sum reads a whole value as one for free).
+    (value, its fan-out's strategies) in value order; `producer` maps value -> (member, output
+    idx), members as in Groups."""
     g, n_in = graph, len(graph.inputs)
     readers: dict[int, set[ShardSpec]] = {}
     outside: set[int] = set()
@@ -139,7 +143,10 @@ def fanout_members(graph: Graph, strategies: list[list[Strategy]],
             continue
         if across_layers and v not in outside:
             continue
-        ordered = tuple(sorted(made | readers[v], key=lambda s: (len(s.used_axes()), str(s))))
+        layouts = made | readers[v]
+        if reduced_only:
+            layouts = {s for s in layouts if not s.partial}
+        ordered = tuple(sorted(layouts, key=lambda s: (len(s.used_axes()), str(s))))
         # fan-outs of the same layouts (each layer's) share one list
         if ordered not in lists:
             lists[ordered] = [Strategy("fanout", (s,), (s,), 0.0) for s in ordered]
