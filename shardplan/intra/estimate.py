@@ -174,7 +174,8 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
                         for x in (src, dst))
         if src == dst or (value.ndim == 0 and not src.partial) or (value.id, src, dst) in done:
             return
-        if scattered_whole(src, dst, read_partial.get(value.id, ()), cost.mesh):
+        if (scattered_whole(src, dst, read_partial.get(value.id, ()), cost.mesh)
+                or problem.whole_first(value, src, dst) is not None):
             reshard(value, src, src.without_partial(), where, trips)
             reshard(value, src.without_partial(), dst, where, trips)
             return

@@ -77,7 +77,7 @@ def masks(model, lay, generated: dict[int, int]) -> tuple[list[Mask], set[int]]:
     for node in g.nodes:
         for v in set(node.inputs):
             readers.setdefault(v, []).append(node.id)
-    fanned = set(p.fanout_of)
+    fanned = p.held_fanouts
     # once for every generator (once per generator, the unrolled GPT-2 1.5B's 145 dropout
     # masks on 8x8 spent 2.4 of its 12.6 CPU s of planning in it)
     constant = liveness.constants(g) if generated else set()

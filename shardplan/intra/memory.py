@@ -217,7 +217,7 @@ class MemoryModel:
         # reader on (on llama at test size on 8 devices, a hidden-split activation
         # all-gathered for the q/k/v dots was kept by XLA until their backward dots read it).
         for f, v in enumerate(p.fanout_of):
-            if v not in readers:
+            if v not in readers or v not in p.held_fanouts:
                 continue
             src, out_idx = p.producer[v]
             fm = p.num_real + f
@@ -251,14 +251,14 @@ class MemoryModel:
         # of the two (a GPT on 2x4 held every kernel whole from its forward dot to its
         # backward one: estimate 0.86x its compiled peak counting the forward's half).
         hoist = len(p.mesh.useful_axes()) == 1
-        n_in, fanned = p.num_inputs, set(p.fanout_of) | {s for s, _, _ in g.carry_edges()}
+        n_in, fanned = p.num_inputs, set(p.held_fanouts) | {s for s, _, _ in g.carry_edges()}
 
         def through(m):  # the last read by node m, through what is fused into it
             return max([self.pos[m - n_in], *(self.last[o] for o in g.nodes[m - n_in].outputs
                                               if o in self.virtual and o in self.last)])
 
         for v in sorted(readers):
-            src, out_idx = p.source[v]
+            src, out_idx = p.source[v] if v in p.held_fanouts else p.producer[v]
             rs = root[src]
             srcs = lay.of(src, "out", out_idx)
             # Readers in the producer's group take its layout as it is (never a copy).

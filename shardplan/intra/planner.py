@@ -228,8 +228,9 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
             src, route = value_specs[v], []
             for target in (fanout.get(v), dst):
                 if target is not None and target != src:
-                    route += reduced_first(src, target, mesh)
-                    route += problem.cost.reshard_path(graph.values[v], src, target)
+                    mid = problem.whole_first(graph.values[v], src, target)
+                    route += [mid] if mid is not None else reduced_first(src, target, mesh)
+                    route += problem.cost.reshard_path(graph.values[v], mid or src, target)
                     src = target
             route = [x for k, x in enumerate(route) if not x.partial and x != value_specs[v]
                      and (k == 0 or x != route[k - 1])]

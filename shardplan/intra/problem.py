@@ -11,11 +11,17 @@ import numpy as np
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
 from shardplan.intra import combiner, hubs, ilp, loss_hubs
 from shardplan.intra.settings import IntraOptions
-from shardplan.intra.simplify import Groups, fanout_members, merge_followers, tie_layers
+from shardplan.intra.simplify import Groups, fanouts_of, merge_followers, tie_layers
 from shardplan.ir.graph import Graph, Role, Value
 from shardplan.strategies import registry
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec, enumerate_specs
+
+# Ops whose partial sums XLA reduces whole, in the layout the op made them, before slicing
+# them for a reader that splits them further: the slice cannot move into the op (BERT's tied
+# embedding gradient on 2x4, a scatter-add's [256, 64] all-reduced whole over `model` and
+# then sliced on `data`, where a dot's or a reduction's result is sliced first).
+REDUCED_WHOLE = frozenset({"scatter-add"})
 
 
 def _source_strategies(value: Value, role: Role, mesh: MeshShape, max_split_dims: int) -> list[Strategy]:
@@ -59,20 +65,12 @@ class Problem:
         self.num_real = len(self.strategies)
         self.source = dict(self.producer)
         self.fanout_of: list[int] = []
-        fanouts = options.fanouts
-        if fanouts not in ("auto", "none", "layers", "partial", "reduced", "all"):
-            raise ValueError(f"fanouts={fanouts!r}: use 'auto', 'none', 'layers', 'partial', "
-                             "'reduced' or 'all'")
-        if fanouts == "auto":
-            fanouts = "partial" if len(mesh.useful_axes()) == 1 else "layers"
-        if fanouts != "none":
-            for v, strategies in fanout_members(graph, self.strategies, self.producer,
-                                                partial_only=fanouts != "all",
-                                                across_layers=fanouts == "layers",
-                                                reduced_only=fanouts == "reduced"):
-                self.source[v] = (len(self.strategies), 0)
-                self.strategies.append(strategies)
-                self.fanout_of.append(v)
+        fanned, self.held_fanouts = fanouts_of(graph, self.strategies, self.producer, mesh,
+                                               options.fanouts)
+        for v, strategies in fanned:
+            self.source[v] = (len(self.strategies), 0)
+            self.strategies.append(strategies)
+            self.fanout_of.append(v)
         self._node_times: dict[tuple, tuple] = {}
         self._time_keys: dict[int, tuple] = {}
         if options.merge_followers:
@@ -197,8 +195,28 @@ class Problem:
         time = self.reshard_time(value, src, dst)
         if time > 0 and self.latency_free((value.id,)):
             time -= self.layers(value) * self.cost.combined_latency(
-                self.cost.reshard_comms(value, src, dst))
+                self.reshard_comms(value, src, dst))
         return time
+
+    def whole_first(self, value: Value, src: ShardSpec, dst: ShardSpec) -> ShardSpec | None:
+        """The layout a partial sum is reduced in before it is resharded to `dst`, where XLA
+        does not slice it first (REDUCED_WHOLE: the slice cannot move into the op that made
+        it); None where the reshard is priced as is."""
+        p = self.producer.get(value.id, (0, 0))[0] - self.num_inputs
+        if (not src.partial or dst.partial or p < 0
+                or self.graph.nodes[p].primitive not in REDUCED_WHOLE):
+            return None
+        whole = src.without_partial()
+        return None if whole == dst else whole
+
+    def reshard_comms(self, value: Value, src: ShardSpec, dst: ShardSpec) -> tuple:
+        """The collectives of resharding `value` from src to dst (through whole_first's
+        layout where there is one)."""
+        mid = self.whole_first(value, src, dst)
+        if mid is not None:
+            return self.cost.reshard_comms(value, src, mid) + self.cost.reshard_comms(
+                value, mid, dst)
+        return self.cost.reshard_comms(value, src, dst)
 
     def choice_key(self, m: int) -> int:
         """What member m runs for each choice of its root, as a small int: members with equal
@@ -291,6 +309,9 @@ class Problem:
         layers resharded one by one, as the unrolled model's are: the same bytes, a latency per
         layer (XLA may send them in one collective outside the loop; priced so, a scanned
         model would win plans on latency that the same model unrolled cannot have)."""
+        mid = self.whole_first(value, src, dst)
+        if mid is not None:
+            return self.reshard_time(value, src, mid) + self.reshard_time(value, mid, dst)
         time = self.cost.reshard_time(value, src, dst)
         layers = self.layers(value)
         if layers > 1 and time > 0:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from shardplan.ir import primitives
 from shardplan.ir.graph import Graph
 from shardplan.strategies.base import Strategy
-from shardplan.strategies.spec import ShardSpec
+from shardplan.strategies.spec import MeshShape, ShardSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: di
 def fanout_members(graph: Graph, strategies: list[list[Strategy]],
                    producer: dict[int, tuple[int, int]], partial_only: bool,
                    across_layers: bool = False,
-                   reduced_only: bool = False) -> list[tuple[int, list[Strategy]]]:
+                   reduced_only: bool = False) -> list[tuple[int, list[Strategy], bool]]:
     """A value read by several consumers gets a fan-out member: the layout it is resharded
     to once (XLA reshards a value once for all consumers that want the same layout), from
     which each consumer reads. Without it, every consumer would pay the same collective.
@@ -104,8 +104,8 @@ def fanout_members(graph: Graph, strategies: list[list[Strategy]],
     as well as inside one. `reduced_only`: a fan-out's layouts are the whole ones (no partial
     sums): XLA reduces a partial value once, where it is first read whole, and its other
     readers read that (a reader that takes a partial sum reads a whole value as one for free).
-    (value, its fan-out's strategies) in value order; `producer` maps value -> (member, output
-    idx), members as in Groups."""
+    (value, its fan-out's strategies, whether it is read outside every scope) in value order;
+    `producer` maps value -> (member, output idx), members as in Groups."""
     g, n_in = graph, len(graph.inputs)
     readers: dict[int, set[ShardSpec]] = {}
     outside: set[int] = set()
@@ -150,8 +150,29 @@ def fanout_members(graph: Graph, strategies: list[list[Strategy]],
         # fan-outs of the same layouts (each layer's) share one list
         if ordered not in lists:
             lists[ordered] = [Strategy("fanout", (s,), (s,), 0.0) for s in ordered]
-        out.append((v, lists[ordered]))
+        out.append((v, lists[ordered], v in outside))
     return out
+
+
+def fanouts_of(graph: Graph, strategies: list[list[Strategy]],
+               producer: dict[int, tuple[int, int]], mesh: MeshShape, mode: str
+               ) -> tuple[list[tuple[int, list[Strategy]]], frozenset[int]]:
+    """The fan-out members IntraOptions.fanouts asks for ("auto": "partial" on a mesh with one
+    useful axis, "layers" on the others), and the values among them that the memory model
+    holds as copies of their own (memory.py): all but those "reduced" adds to "layers" (the
+    ILP prices them reduced once; the memory model counts their readers' copies as it does
+    without a fan-out, as its tests and benchmarks/memory_check.py were written for)."""
+    if mode not in ("auto", "none", "layers", "partial", "reduced", "all"):
+        raise ValueError(f"fanouts={mode!r}: use 'auto', 'none', 'layers', 'partial', "
+                         "'reduced' or 'all'")
+    if mode == "auto":
+        mode = "partial" if len(mesh.useful_axes()) == 1 else "layers"
+    if mode == "none":
+        return [], frozenset()
+    found = fanout_members(graph, strategies, producer, partial_only=mode != "all",
+                           across_layers=mode == "layers", reduced_only=mode == "reduced")
+    held = frozenset(v for v, _, across in found if across or mode != "reduced")
+    return [(v, listed) for v, listed, _ in found], held
 
 
 _LAYER = re.compile(r"([A-Za-z][A-Za-z0-9]*?)_(\d+)(?=\W|$)")
