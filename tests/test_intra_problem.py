@@ -156,7 +156,7 @@ def test_a_scatter_adds_partial_sum_is_reduced_whole_before_it_is_sliced():
         sliced_first = problem.cost.reshard_time(value, src, dst)
         got = problem.reshard_time(value, src, dst)
         if reduced_whole:
-            assert problem.whole_first(value, src, dst) == whole
+            assert problem.whole_first(value, src, dst) == ShardSpec(((), ("model",)))
             assert got == pytest.approx(problem.cost.reshard_time(value, src, whole))
             assert got > sliced_first
             assert [c.nbytes for c in problem.reshard_comms(value, src, dst)] == [256 * 64 * 4]
@@ -164,3 +164,8 @@ def test_a_scatter_adds_partial_sum_is_reduced_whole_before_it_is_sliced():
                 256 * 64 * 4 // 2]
         else:
             assert problem.whole_first(value, src, dst) is None and got == sliced_first
+    # where the profile forms reduce-scatters, the whole is reduce-scattered over `model`
+    tpu = Problem(graph, MESH, AlphaBetaCost(MESH, get_profile("tpu-v4")), IntraOptions())
+    value = graph.values[scatter.outputs[0]]
+    assert [(c.kind, c.nbytes) for c in tpu.reshard_comms(value, src, dst)] == [
+        ("reduce-scatter", 256 * 64 * 4)]

@@ -199,15 +199,19 @@ class Problem:
         return time
 
     def whole_first(self, value: Value, src: ShardSpec, dst: ShardSpec) -> ShardSpec | None:
-        """The layout a partial sum is reduced in before it is resharded to `dst`, where XLA
+        """The layout a partial sum is reduced into before it is resharded to `dst`, where XLA
         does not slice it first (REDUCED_WHOLE: the slice cannot move into the op that made
-        it); None where the reshard is priced as is."""
+        it): src's splits, and dst's over the summed axes (a reduce-scatter where the profile
+        forms one, else an all-reduce of the whole); None where the reshard is priced as is."""
         p = self.producer.get(value.id, (0, 0))[0] - self.num_inputs
         if (not src.partial or dst.partial or p < 0
                 or self.graph.nodes[p].primitive not in REDUCED_WHOLE):
             return None
-        whole = src.without_partial()
-        return None if whole == dst else whole
+        mid = ShardSpec(tuple(s + tuple(a for a in d if a in src.partial and a not in s)
+                              for s, d in zip(src.dims, dst.dims)))
+        if not mid.valid_for(value.shape, self.mesh):
+            mid = src.without_partial()
+        return None if mid == dst else mid
 
     def reshard_comms(self, value: Value, src: ShardSpec, dst: ShardSpec) -> tuple:
         """The collectives of resharding `value` from src to dst (through whole_first's
