@@ -169,3 +169,34 @@ def test_a_scatter_adds_partial_sum_is_reduced_whole_before_it_is_sliced():
     value = graph.values[scatter.outputs[0]]
     assert [(c.kind, c.nbytes) for c in tpu.reshard_comms(value, src, dst)] == [
         ("reduce-scatter", 256 * 64 * 4)]
+
+
+def test_the_estimate_prices_a_scatter_adds_reduction_as_the_ilp_does():
+    """The estimate routes the scatter-add's partial sum through whole_first's layout too: a
+    reduce-scatter of the whole on a profile that forms one (not an all-reduce)."""
+    from shardplan.intra import estimate
+
+    def step(table, idx, x):
+        return jnp.zeros_like(table).at[idx].add(x) * 2.0
+
+    graph = lift(jax.make_jaxpr(step)(jnp.ones((256, 64)), jnp.zeros((32,), jnp.int32),
+                                      jnp.ones((32, 64))))
+    problem = Problem(graph, MESH, AlphaBetaCost(MESH, get_profile("tpu-v4")), IntraOptions())
+    scatter = next(n for n in graph.nodes if n.primitive == "scatter-add")
+    mul = next(n for n in graph.nodes if scatter.outputs[0] in n.inputs)
+    n_in = problem.num_inputs
+    src = ShardSpec(((), ()), ("model",))
+    dst = ShardSpec((("data",), ("model",)))
+    chosen = {m: listed[0] for m, listed in enumerate(problem.strategies)}
+    chosen[n_in + scatter.id] = next(s for s in problem.strategies[n_in + scatter.id]
+                                     if s.out_specs[0] == src)
+    chosen[n_in + mul.id] = next(s for s in problem.strategies[n_in + mul.id]
+                                 if s.in_specs[0] == dst)
+    specs = {v: s.out_specs[0] for m, s in chosen.items() if m < n_in
+             for v in [graph.inputs[m]]}
+    for node in graph.nodes:
+        for v, spec in zip(node.outputs, chosen[n_in + node.id].out_specs):
+            specs[v] = spec
+    _, comms, _ = estimate.estimate(problem, chosen, specs)
+    into_mul = [c for where, c in comms if "into mul" in where]
+    assert [(c.kind, c.nbytes) for c in into_mul] == [("reduce-scatter", 256 * 64 * 4)]

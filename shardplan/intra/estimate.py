@@ -174,10 +174,12 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
                         for x in (src, dst))
         if src == dst or (value.ndim == 0 and not src.partial) or (value.id, src, dst) in done:
             return
-        if (scattered_whole(src, dst, read_partial.get(value.id, ()), cost.mesh)
-                or problem.whole_first(value, src, dst) is not None):
-            reshard(value, src, src.without_partial(), where, trips)
-            reshard(value, src.without_partial(), dst, where, trips)
+        mid = problem.whole_first(value, src, dst)  # reduced before it is sliced
+        if mid is None and scattered_whole(src, dst, read_partial.get(value.id, ()), cost.mesh):
+            mid = src.without_partial()
+        if mid is not None:
+            reshard(value, src, mid, where, trips)
+            reshard(value, mid, dst, where, trips)
             return
         # XLA reshards a value once for all the consumers that want the same layout.
         done.add((value.id, src, dst))
