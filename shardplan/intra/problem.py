@@ -203,15 +203,18 @@ class Problem:
         does not slice it first (REDUCED_WHOLE: the slice cannot move into the op that made
         it): src's splits, and dst's over the summed axes (a reduce-scatter where the profile
         forms one, else an all-reduce of the whole); None where the reshard is priced as is."""
-        p = self.producer.get(value.id, (0, 0))[0] - self.num_inputs
-        if (not src.partial or dst.partial or p < 0
-                or self.graph.nodes[p].primitive not in REDUCED_WHOLE):
+        if not src.partial or dst.partial or not self.reduced_whole(value):
             return None
         mid = ShardSpec(tuple(s + tuple(a for a in d if a in src.partial and a not in s)
                               for s, d in zip(src.dims, dst.dims)))
         if not mid.valid_for(value.shape, self.mesh):
             mid = src.without_partial()
         return None if mid == dst else mid
+
+    def reduced_whole(self, value: Value) -> bool:
+        """Whether an op in REDUCED_WHOLE made `value`."""
+        p = self.producer.get(value.id, (0, 0))[0] - self.num_inputs
+        return p >= 0 and self.graph.nodes[p].primitive in REDUCED_WHOLE
 
     def reshard_comms(self, value: Value, src: ShardSpec, dst: ShardSpec) -> tuple:
         """The collectives of resharding `value` from src to dst (through whole_first's
@@ -326,7 +329,8 @@ class Problem:
         # Repeated layers reshard values of the same shapes between the same layouts: the
         # matrix, and each layout pair's time, are computed once.
         memo = self.__dict__.setdefault("_reshard_memo", {})
-        shape = (value.shape, value.dtype, value.itemsize, self.latency_free((value.id,)))
+        shape = (value.shape, value.dtype, value.itemsize, self.latency_free((value.id,)),
+                 self.reduced_whole(value))
         key = (shape, tuple(srcs), tuple(dsts))
         if key in memo:
             return memo[key]
