@@ -115,6 +115,25 @@ def test_an_expired_deadline_with_nothing_that_fits_says_time_ran_out():
     assert ilp.solve(dataclasses.replace(inp, deadline=None)).choice in ((0, 1), (1, 0))
 
 
+def test_a_budget_below_every_nodes_smallest_is_infeasible_without_a_search(monkeypatch):
+    """Every row with each node at its smallest is a lower bound of any plan's peak: a budget
+    below it fits nothing, said at once (a 1-byte budget ran HiGHS's LP to the time limit on
+    the MoE at test size on 2x4, which ended in SearchTimeout, not InfeasibleMemory)."""
+    from shardplan.intra import linear
+
+    def no_mip(*a, **k):
+        raise AssertionError("the MIP was run")
+
+    monkeypatch.setattr(linear, "mip", no_mip)
+    inp = dataclasses.replace(memory_problem(4), memory_budget=1.0, time_limit_s=5.0,
+                              deadline=Deadline(5.0))
+    with pytest.raises(InfeasibleMemory) as e:
+        ilp.solve(inp)
+    assert e.value.min_bytes > 1.0
+    if e.value.exact:
+        assert e.value.min_bytes == pytest.approx(ilp._min_peak_brute(inp))
+
+
 def test_cp_sat_gets_only_what_remains():
     inp = memory_problem(3)
     inp = dataclasses.replace(inp, time_limit_s=30.0, deadline=Deadline(1.5))

@@ -161,13 +161,14 @@ def test_the_compiled_check_compiles_the_donation_the_step_runs_with(mesh2x4):
     assert plan.estimate.peak_bytes == pytest.approx(peak, rel=1e-6)
 
 
-@pytest.mark.parametrize("name", ["llama", "moe"])
+@pytest.mark.parametrize("name", ["llama", "moe", "vit"])
 def test_the_memory_models_own_estimate_is_within_tolerance_of_the_compiled_peak(name, mesh8):
     """The memory model's estimate (no compiled check) of the plan it is asked about, set
     against the plan compiled. Without the zeros a gather's gradient is scattered into held
     from the step's start, the scatter into them kept beside the add XLA scatters into, and
     the transposed embedding the logits' dot folds, the model counted llama at 1/0.779 and
-    the MoE at 1/0.802 of their compiled peaks."""
+    the MoE at 1/0.802 of their compiled peaks; without the layer norms' broadcasts that
+    YNNPACK's reductions read (liveness.ynn_broadcasts), ViT at 1/1.257."""
     m = get_model(name, "tiny", abstract=True)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     plan, graph, _ = plan_step(traced, MeshShape.of(mesh8), get_profile("cpu"),
@@ -396,3 +397,30 @@ def test_a_convolution_reading_its_operand_in_another_layout_holds_a_transposed_
     assert backward[0].end == model.pos[convs[1].id]
     assert not any(b.end == model.pos[convs[0].id] for b in copies)  # the forward reads NHWC
     assert backward[0].nbytes.max() >= graph.values[images].nbytes / 8
+
+
+def test_a_layer_norms_backward_reductions_hold_their_broadcast_operands_when_large():
+    """XLA:CPU reduces through YNNPACK from 4096 elements per device on, fusing the product a
+    reduction reads but not that product's broadcast operand: a layer norm's backward reduces
+    the incoming gradient times its scale [1, 1, h] and times its 1/std [b, s, 1], and XLA
+    writes both broadcast to the activation's shape, in the forward pass (the scale's at the
+    start: only inputs feed it), and holds them to the backward reductions (ViT at test size
+    on 8 devices, [8, 17, 64] whole: 8 such buffers, a fifth of its compiled peak). Split 8
+    ways (1088 elements a device), XLA reduces with its own emitter and holds none (GPT at
+    test size on 8 devices, its batch split: none in its compiled program)."""
+    from shardplan.cost.model import AlphaBetaCost
+    from shardplan.intra.problem import IntraOptions, Problem
+
+    mesh = MeshShape(("d",), (8,))
+    _, graph = _graph("vit")
+    problem = Problem(graph, mesh, AlphaBetaCost(mesh, get_profile("cpu")), IntraOptions())
+    model = problem.memory()
+    held = [b for b in model.buffers if "broadcast for the reduction" in b.what]
+    norms = {n.name for n in graph.nodes
+             if n.name.startswith("jvp(") and n.name.endswith(("ln_1", "ln_2"))}
+    backward = min(model.pos[n.id] for n in graph.nodes if n.primitive == "dot_general"
+                   and n.name.startswith("transpose("))
+    assert len(norms) == 4 and len(held) == 2 * len(norms)
+    for b in held:
+        assert b.start < backward < b.end
+        assert set(b.nbytes) == {0.0, 8 * 17 * 64 * 4}  # whole or partial: held; split: not

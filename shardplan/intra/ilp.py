@@ -275,6 +275,11 @@ def solve(inp: SolverInput) -> Solution:
         return Solution((), 0.0, 0.0, True, "empty")
     budget = inp.memory_budget
     whole, fits = inp, None
+    if budget is not None and budget < _simple_bound(inp):
+        # Below what every node at its smallest holds: no plan fits, no search needed (HiGHS's
+        # lazy LP spent a 1-byte budget's time limit on the MoE at test size on 2x4 proving it)
+        value, exact, least = least_memory(inp)
+        raise InfeasibleMemory(budget, value, exact, found_bytes=least)
     if budget is not None and inp.deadline is not None:
         fits = _fallbacks(inp)
     kept = fits == []

@@ -190,6 +190,45 @@ def lifetimes(graph, pos, readers, outputs, virtual=None) -> tuple[set[int], dic
     return virtual, last
 
 
+# XLA:CPU runs a reduction of at least this many elements per device (or of an operand that
+# large) through YNNPACK (ynn_support.cc, IsInstructionPreferredByYnn), a GPT at test size on 8
+# devices ([1, 16, 64]) through its own reduce emitter.
+YNN_MIN_ELEMENTS = 4096
+YNN_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+YNN_BINARY = frozenset({"add", "add_any", "sub", "mul", "div", "max", "min", "pow"})
+
+
+def ynn_broadcasts(graph, readers, virtual) -> list[tuple[int, int, int]]:
+    """(node, operand, reduction): a binary elementwise node that only a reduction reads, and
+    its operand that XLA broadcasts to the node's shape. XLA:CPU's YNNPACK reduction fuses the
+    node but not the broadcast: it writes the operand broadcast, scheduled where the operand
+    is made (where the step starts, for what only the inputs feed) and kept to the reduction.
+    A layer norm's backward pass reduces its 1/std [b, s, 1] and its scale [1, 1, h] times the
+    incoming gradient: ViT at test size on 8 devices held both broadcasts of each of its four
+    norms from the forward pass on (8 activation-sized buffers, a quarter of its peak).
+    Whether a reduction is large enough for YNNPACK depends on the layout: the caller checks
+    the node's size per device against YNN_MIN_ELEMENTS."""
+    producer = {v: node.id for node in graph.nodes for v in node.outputs}
+    found = []
+    for node in graph.nodes:
+        if node.primitive not in YNN_BINARY or len(node.outputs) != 1:
+            continue
+        out = node.outputs[0]
+        rs = readers.get(out, ())
+        if len(rs) != 1 or graph.nodes[rs[0]].primitive not in YNN_REDUCTIONS:
+            continue
+        size = graph.values[out].size
+        for u in dict.fromkeys(node.inputs):
+            value = graph.values[u]
+            if u in virtual and u in producer and (
+                    graph.nodes[producer[u]].primitive == "broadcast_in_dim"):
+                u = graph.nodes[producer[u]].inputs[0]  # an explicit broadcast, fused
+                value = graph.values[u]
+            if not value.is_literal and 1 < value.size < size:
+                found.append((node.id, u, rs[0]))
+    return found
+
+
 # -- XLA:CPU's view of a narrow-float step ----------------------------------------------------
 
 NARROW_FLOATS = frozenset({"bfloat16", "float16"})

@@ -14,7 +14,9 @@ It follows what `compiled.memory_analysis()` counts (argument + output + temp - 
   ranges (--xla_dump_to): a weight gathered for a dot, and a broadcast of what only the inputs
   feed, start before the first layer (its scheduler hoists them); a broadcast read by several
   ops is written once and kept; an elementwise op whose operands are both smaller than its
-  result (a norm's 1/std times its scale) is fused into its readers, never written; a scan's
+  result (a norm's 1/std times its scale) is fused into its readers, never written, but a
+  reduction of 4096 elements or more a device (YNNPACK's) reads such an operand broadcast,
+  written from where it is made (a norm's backward: its scale and 1/std); a scan's
   stacked ys are made before the first layer; a weight that a later dot reads in a larger
   layout than the first one's is held in the larger from the first layer; gradients reduced
   by XLA's combined all-reduce (a scattered one too) are held until it runs, and its results
@@ -189,6 +191,23 @@ class MemoryModel:
                 self.buffers.append(Buffer(
                     root[m], nbytes, min(self.first if v in static else end, pos[node.id]),
                     pos[node.id], f"v{v} transposed for {node.primitive} {node.name}"))
+        # a broadcast operand of what a YNNPACK reduction reads, written whole (liveness.py);
+        # one buffer per operand and shape (XLA merges equal broadcasts), only in the layouts
+        # that leave the reduction large enough for YNNPACK
+        broadcasts: dict[tuple, list] = {}
+        made_by = {v: node.id for node in g.nodes for v in node.outputs}
+        for e, u, _ in liveness.ynn_broadcasts(g, readers, virtual):
+            v, m = g.nodes[e].outputs[0], p.num_inputs + e
+            nbytes = sizes(v, m, 0)
+            large = nbytes >= liveness.YNN_MIN_ELEMENTS * g.values[v].itemsize
+            start = self.first if u in static else pos[made_by[u]]
+            held_b = broadcasts.setdefault((u, g.values[v].shape), [
+                root[m], scale * np.where(large, nbytes, 0.0), start, pos[e] - 1, v])
+            held_b[3] = max(held_b[3], pos[e] - 1)
+        for (u, _), (r, nbytes, start, end, v) in broadcasts.items():
+            if start <= end and nbytes.any():
+                self.buffers.append(Buffer(r, nbytes, start, end,
+                                           f"v{u} broadcast for the reduction of v{v}"))
         held, copies = gradient_holds.holds(self, is_tensor)
         self.buffers += held
         self.copies += copies
