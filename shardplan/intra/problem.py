@@ -10,18 +10,13 @@ import numpy as np
 
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
 from shardplan.intra import combiner, hubs, ilp, loss_hubs
+from shardplan.intra.reshard_prices import ReshardPrices
 from shardplan.intra.settings import IntraOptions
 from shardplan.intra.simplify import Groups, fanouts_of, merge_followers, tie_layers
 from shardplan.ir.graph import Graph, Role, Value
 from shardplan.strategies import registry
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec, enumerate_specs
-
-# Ops whose partial sums XLA reduces whole, in the layout the op made them, before slicing
-# them for a reader that splits them further: the slice cannot move into the op (BERT's tied
-# embedding gradient on 2x4, a scatter-add's [256, 64] all-reduced whole over `model` and
-# then sliced on `data`, where a dot's or a reduction's result is sliced first).
-REDUCED_WHOLE = frozenset({"scatter-add"})
 
 
 def _source_strategies(value: Value, role: Role, mesh: MeshShape, max_split_dims: int) -> list[Strategy]:
@@ -36,7 +31,7 @@ def is_tensor(value: Value) -> bool:
     return not value.is_literal and value.const is None
 
 
-class Problem:
+class Problem(ReshardPrices):
     """The members (inputs and nodes), their strategies and groups, and the ILP they make."""
 
     def __init__(self, graph: Graph, mesh: MeshShape, cost: AlphaBetaCost, options: IntraOptions):
@@ -189,42 +184,6 @@ class Problem:
         return self.combined(values) or (bool(values) and all(
             v in self.loss_values() for v in values))
 
-    def edge_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
-        """What the ILP charges for resharding `value`: reshard_time, less the latency of the
-        reductions it prices elsewhere (latency_free: the gradients', the loss's)."""
-        time = self.reshard_time(value, src, dst)
-        if time > 0 and self.latency_free((value.id,)):
-            time -= self.layers(value) * self.cost.combined_latency(
-                self.reshard_comms(value, src, dst))
-        return time
-
-    def whole_first(self, value: Value, src: ShardSpec, dst: ShardSpec) -> ShardSpec | None:
-        """The layout a partial sum is reduced into before it is resharded to `dst`, where XLA
-        does not slice it first (REDUCED_WHOLE: the slice cannot move into the op that made
-        it): src's splits, and dst's over the summed axes (a reduce-scatter where the profile
-        forms one, else an all-reduce of the whole); None where the reshard is priced as is."""
-        if not src.partial or dst.partial or not self.reduced_whole(value):
-            return None
-        mid = ShardSpec(tuple(s + tuple(a for a in d if a in src.partial and a not in s)
-                              for s, d in zip(src.dims, dst.dims)))
-        if not mid.valid_for(value.shape, self.mesh):
-            mid = src.without_partial()
-        return None if mid == dst else mid
-
-    def reduced_whole(self, value: Value) -> bool:
-        """Whether an op in REDUCED_WHOLE made `value`."""
-        p = self.producer.get(value.id, (0, 0))[0] - self.num_inputs
-        return p >= 0 and self.graph.nodes[p].primitive in REDUCED_WHOLE
-
-    def reshard_comms(self, value: Value, src: ShardSpec, dst: ShardSpec) -> tuple:
-        """The collectives of resharding `value` from src to dst (through whole_first's
-        layout where there is one)."""
-        mid = self.whole_first(value, src, dst)
-        if mid is not None:
-            return self.cost.reshard_comms(value, src, mid) + self.cost.reshard_comms(
-                value, mid, dst)
-        return self.cost.reshard_comms(value, src, dst)
-
     def choice_key(self, m: int) -> int:
         """What member m runs for each choice of its root, as a small int: members with equal
         keys take the same strategies of the same list (the same operator in tied layers)."""
@@ -298,32 +257,6 @@ class Problem:
 
     def in_spec(self, m: int, in_idx: int, root_k: int) -> ShardSpec:
         return self.strategies[m][self.groups.pick[m][root_k]].in_specs[in_idx]
-
-    def layers(self, value: Value) -> int:
-        """Rows of `value` that are layers of a scan: its leading dimension when it has the
-        shape of a scan's stacked value (what a loop_slice reads or a loop_stack writes: the
-        stacked parameters, their gradients and optimizer states, saved activations), else 1."""
-        shapes = self.__dict__.get("_stacked_shapes")
-        if shapes is None:
-            shapes = self.__dict__["_stacked_shapes"] = frozenset(
-                self.graph.values[v].shape for node in self.graph.nodes
-                for v in ((node.inputs[0],) if node.primitive == "loop_slice" else
-                          node.outputs if node.primitive == "loop_stack" else ()))
-        return value.shape[0] if value.shape in shapes else 1
-
-    def reshard_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
-        """Seconds to reshard `value` from src to dst. A scan's stacked value is priced as its
-        layers resharded one by one, as the unrolled model's are: the same bytes, a latency per
-        layer (XLA may send them in one collective outside the loop; priced so, a scanned
-        model would win plans on latency that the same model unrolled cannot have)."""
-        mid = self.whole_first(value, src, dst)
-        if mid is not None:
-            return self.reshard_time(value, src, mid) + self.reshard_time(value, mid, dst)
-        time = self.cost.reshard_time(value, src, dst)
-        layers = self.layers(value)
-        if layers > 1 and time > 0:
-            time += (layers - 1) * self.cost.reshard_latency(value, src, dst)
-        return time
 
     def _reshard_matrix(self, value: Value, srcs: list[ShardSpec], dsts: list[ShardSpec]) -> np.ndarray:
         # Repeated layers reshard values of the same shapes between the same layouts: the
