@@ -2,6 +2,7 @@
 lazily), min_memory, the deadline's plumbing and the errors, against brute force."""
 
 import dataclasses
+import re
 import time
 
 import numpy as np
@@ -264,10 +265,12 @@ def test_peak_sweep_equals_the_rows_at_every_point():
 
 
 def test_what_xla_simplifies_away_is_never_written():
-    """A gather's gradient is a scatter-add into zeros: the zeros are never held (a broadcast
-    of a constant), and when an add alone reads the scatter XLA scatters into the add's other
-    operand in place; a transpose that only dots read is folded into them (measured on the
-    live ranges of llama and the MoE at test size: memory.py)."""
+    """A gather's gradient is a scatter-add into zeros: when an add alone reads the scatter,
+    XLA scatters into the add's other operand in place and writes neither; else the zeros are
+    the scatter's operand, written (here the log-softmax's backward reads the scatter with a
+    product: XLA writes the [4, 32] zeros as a fusion of their own). A transpose that only
+    dots read is folded into them (measured on the live ranges of llama and the MoE at test
+    size: memory.py)."""
     import jax
     import jax.numpy as jnp
 
@@ -280,20 +283,35 @@ def test_what_xla_simplifies_away_is_never_written():
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)
         return -jnp.mean(picked)
 
+    def tied(w, x, labels):  # the table's gradient: the lookup's scatter plus the dot's
+        return jnp.sum(w[labels] ** 2) + jnp.sum(x @ w.T)
+
+    def lifted(fn):
+        t = trace(jax.grad(fn), args, (0,), (1, 2))
+        g = lift(t.closed_jaxpr, t.arg_info, LiftOptions())
+        readers = {}
+        for node in g.nodes:
+            for v in set(node.inputs):
+                readers.setdefault(v, []).append(node.id)
+        virtual = liveness.unwritten(g, readers, {v: [j] for j, v in enumerate(g.outputs)})
+        producer = {v: n for n in g.nodes for v in n.outputs}
+        scatter = next(n for n in g.nodes if n.primitive == "scatter-add")
+        zeros = producer[scatter.inputs[0]]
+        assert zeros.primitive == "broadcast_in_dim"
+        folded = all(g.nodes[r].primitive in ("add", "add_any")
+                     for r in readers[scatter.outputs[0]])
+        return g, readers, virtual, scatter, zeros, folded
+
     args = (jnp.ones((32, 8)), jnp.ones((4, 8)), jnp.zeros((4,), jnp.int32))
-    t = trace(jax.grad(f), args, (0,), (1, 2))
-    g = lift(t.closed_jaxpr, t.arg_info, LiftOptions())
-    readers = {}
-    for node in g.nodes:
-        for v in set(node.inputs):
-            readers.setdefault(v, []).append(node.id)
-    virtual = liveness.unwritten(g, readers, {v: [j] for j, v in enumerate(g.outputs)})
-    producer = {v: n for n in g.nodes for v in n.outputs}
-    scatter = next(n for n in g.nodes if n.primitive == "scatter-add")
-    zeros = producer[scatter.inputs[0]]
-    assert zeros.primitive == "broadcast_in_dim" and zeros.outputs[0] in virtual
-    if all(g.nodes[r].primitive in ("add", "add_any") for r in readers[scatter.outputs[0]]):
-        assert scatter.outputs[0] in virtual
+    _, _, virtual, scatter, zeros, folded = lifted(tied)
+    assert folded and {zeros.outputs[0], scatter.outputs[0]} <= virtual
+    compiled = jax.jit(jax.grad(tied)).lower(*args).compile().as_text()
+    assert not re.search(r"= f32\[32,8\]\S* fusion\(%constant", compiled)  # into the dot's
+    g, readers, virtual, scatter, zeros, folded = lifted(f)
+    assert not folded
+    assert zeros.outputs[0] not in virtual and scatter.outputs[0] not in virtual
+    compiled = jax.jit(jax.grad(f)).lower(*args).compile().as_text()
+    assert re.search(r"= f32\[4,32\]\S* fusion\(%constant", compiled)  # the zeros, written
     transposes = [n for n in g.nodes if n.primitive == "transpose" and n.outputs[0] in readers
                   and all(g.nodes[r].primitive == "dot_general" for r in readers[n.outputs[0]])]
     assert transposes and all(n.outputs[0] in virtual for n in transposes)
