@@ -43,7 +43,10 @@ class IntraOptions:
     # and finds better plans by the estimate where "layers" prices a batch norm's statistics
     # or a layer norm's input once per reader (real size: WideResNet 250M 0.76x on 2x4 and
     # 0.84x on 8x8, ViT-B/16 0.92x, the MoE 380M 0.93x on 8x8; GPT-2 124M 1.015x on 8x8).
-    # It is not "auto" yet: with it the 2-D completion of the zoo's GPT on 2x4 compiles to
+    # It is not "auto" yet: the zoo's GPT at test size on 2x4 gets 109 fan-outs (27 under
+    # "layers": every dot's input gradient and dropout read twice in the backward pass) and
+    # HiGHS's MIP no longer proves its plan in the 30 s tests/golden_plans.py gives it (38 s
+    # and unproven, against 6.4 s proven); with it the 2-D completion of that GPT compiles to
     # 1.15x its memory estimate (XLA gathers its kernels whole; the memory model holds them
     # as laid out), and the extrapolation of FSDP's completion from 1 and 2 of its 8 layers
     # (depth.py) misses its compute by 2.5%.
