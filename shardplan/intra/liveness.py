@@ -219,7 +219,7 @@ def ynn_broadcasts(graph, readers, virtual) -> list[tuple[int, int, int]]:
     is made (where the step starts, for what only the inputs feed) and kept to the reduction.
     A layer norm's backward pass reduces its 1/std [b, s, 1] and its scale [1, 1, h] times the
     incoming gradient: ViT at test size on 8 devices held both broadcasts of each of its four
-    norms from the forward pass on (8 activation-sized buffers, a quarter of its peak).
+    norms from the forward pass on (8 activation-sized buffers, a fifth of its peak).
     Whether a reduction is large enough for YNNPACK depends on the layout: the caller checks
     the node's size per device against YNN_MIN_ELEMENTS."""
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
