@@ -84,7 +84,7 @@ def _layered_step(layers=4):
 def test_gradients_the_update_reads_several_times_get_one_fan_out_each():
     graph = _layered_step()
     assert _problem(graph, fanouts="none").fanout_of == []
-    problem = _problem(graph)  # auto: "layers" on a mesh of two axes
+    problem = _problem(graph)  # auto: "reduce" (the fan-outs of "layers") on two axes
     assert problem.fanout_of
     producer = {v: graph.nodes[problem.producer[v][0] - problem.num_inputs]
                 for v in problem.fanout_of}
@@ -133,6 +133,37 @@ def test_reduced_fan_outs_price_a_partial_value_read_several_times_once():
         return plan_intra(graph, MESH, cost, options).estimate.total_s
 
     assert total("reduced") < 0.95 * total("layers")
+    # "auto" on two axes ("reduce"): the same statistics reduced once where they are made
+    assert total("auto") <= 1.01 * total("reduced")
+
+
+def test_a_value_read_several_times_gets_twins_that_reduce_its_partial_sum_where_it_is_made():
+    """"reduce" (auto on two axes): each strategy leaving a value read by several nodes a
+    partial sum has twins, the same strategy with the value all-reduced or reduce-scattered
+    onto one dimension, the collectives the edge would have charged; values read once, and
+    those a fan-out reshards, have none; tied layers share the list with its twins."""
+    graph = _layered_step()
+    problem = _problem(graph)
+    layers = _problem(graph, fanouts="layers")
+    assert problem.twins and not layers.twins and problem.fanout_of == layers.fanout_of
+    reads: dict[int, int] = {}
+    for node in graph.nodes:
+        for v in set(node.inputs):
+            reads[v] = reads.get(v, 0) + 1
+    for twin, (k, partial) in problem.twins.items():
+        node = next(n for n in graph.nodes if twin in problem.strategies[problem.num_inputs + n.id])
+        v = node.outputs[k]
+        assert reads.get(v, 0) >= 2 and v not in problem.fanout_of
+        base = next(s for s in layers.strategies[problem.num_inputs + node.id]
+                    if s.in_specs == twin.in_specs and s.out_specs[k] == partial)
+        spec = twin.out_specs[k]
+        assert not spec.partial and twin.out_specs[:k] == base.out_specs[:k]
+        extra = twin.comms[len(base.comms):]
+        assert extra == problem.reshard_comms(graph.values[v], partial, spec)
+        assert {c.kind for c in extra} <= {"all-reduce", "reduce-scatter"}
+    twinned = [m for m in range(problem.num_inputs, problem.num_real)
+               if any(s in problem.twins for s in problem.strategies[m])]
+    assert twinned and len({id(problem.strategies[m]) for m in twinned}) < len(twinned)
 
 
 def test_a_scatter_adds_partial_sum_is_reduced_whole_before_it_is_sliced():

@@ -8,6 +8,7 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from shardplan import measure
@@ -90,3 +91,43 @@ def test_reduced_first_only_where_an_idle_axis_could_hold_the_slice():
     assert planner.reduced_first(used, S((("data",), ("model",))),
                                  MeshShape(("data", "model"), (4, 2))) == []
     assert planner.reduced_first(src, S.replicated(2), MeshShape(("data", "model"), (4, 2))) == []
+
+
+
+def _read_twice(w, x):
+    h = x @ w
+    return jnp.tanh(h) * h
+
+
+def test_a_partial_sum_read_twice_is_reduced_once_where_it_is_made(devices):
+    """A dot's result, a partial sum over `model` (its contraction split there), read by two
+    ops: on a mesh of two axes the plan reduce-scatters it once, where it is made (a twin of
+    the dot's strategy, intra/simplify.py reduce_once), not once per reader. With `data` idle
+    the emitted program constrains it whole first (in its readers' routes, as a fan-out's):
+    no collective-permute, the bytes the estimate expects, the unsharded function's numbers."""
+    mesh = auto_mesh((4, 2), ("data", "model"))
+    shape = MeshShape.of(mesh)
+    hw = dataclasses.replace(get_profile("a100-80gb"), devices_per_host=2)
+    args = (jax.ShapeDtypeStruct((4098, 258), jnp.float32),  # no dimension divides by 4
+            jax.ShapeDtypeStruct((66, 4098), jnp.float32))
+    traced = trace(_read_twice, args, (0,), (1,))
+    options = DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,))
+    graph = lift(traced.closed_jaxpr, traced.arg_info)
+    plan, intra = search.plan_graph(graph, traced, shape, hw, options, device_mesh=mesh,
+                                    device_order=[d.id for d in mesh.devices.flat],
+                                    fixed_inputs={0: S.split(2, 0, "model"),
+                                                  1: S.split(2, 1, "model")},
+                                    donated=frozenset())
+    dot = next(n for n in graph.nodes if n.primitive == "dot_general")
+    assert ", reduced[" in intra.node_strategies[dot.id].name
+    assert [c.kind for _, c in intra.comms] == ["reduce-scatter"]
+    lowered = measure.lower_plan(graph, traced, plan, mesh)
+    stats = hlo.analyze(measure.compile_for_analysis(lowered))
+    assert not [op for op in stats.collectives if op.kind == "collective-permute"]
+    _, priced = measure.compile_and_price(lowered, mesh, shape, hw, "float32")
+    assert plan.estimate.comm_bytes == pytest.approx(priced.bytes_sent, rel=1e-6)
+
+    w, x = (jax.random.normal(k, a.shape) for k, a in zip(jax.random.split(jax.random.key(0)),
+                                                          args))
+    np.testing.assert_allclose(np.asarray(lowered.compile()(w, x)),
+                               np.asarray(_read_twice(w, x)), rtol=1e-4, atol=1e-4)

@@ -217,9 +217,14 @@ def test_a_kernel_read_whole_in_the_backward_is_held_whole_from_the_forward(mesh
     on (the hoisted copies add what the backward's layout has over the forward's). Without it
     a GPT's plan on 2x4 was estimated at 1/1.16 of its compiled peak (under: the unsafe side).
     Which expert's completion reads kernels so depends on the cost model (FSDP's did when this
-    was written, the 2-D plan's since the loss's reduction is priced as XLA combines it)."""
-    from shardplan.intra import memory
+    was written, the 2-D plan's since the loss's reduction is priced as XLA combines it), and
+    on the fan-outs: planned with fanouts="layers" here, as under "reduce" (auto on two axes)
+    the 2-D completion reads its kernels whole in both passes (one copy held alike: compiled
+    at 0.90 of the estimate)."""
+    from shardplan.intra import memory, problem
     from shardplan.units import Deadline
+
+    monkeypatch.setattr(problem, "fanout_mode", lambda mode, mesh: "layers")
 
     m = get_model("gpt", "tiny", abstract=True)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)

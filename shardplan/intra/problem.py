@@ -12,7 +12,8 @@ from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
 from shardplan.intra import combiner, hubs, ilp, loss_hubs
 from shardplan.intra.reshard_prices import ReshardPrices
 from shardplan.intra.settings import IntraOptions
-from shardplan.intra.simplify import Groups, fanouts_of, merge_followers, tie_layers
+from shardplan.intra.simplify import (Groups, fanout_mode, fanouts_of, merge_followers,
+                                      reduce_once, tie_layers)
 from shardplan.ir.graph import Graph, Role, Value
 from shardplan.strategies import registry
 from shardplan.strategies.base import Strategy
@@ -60,8 +61,14 @@ class Problem(ReshardPrices):
         self.num_real = len(self.strategies)
         self.source = dict(self.producer)
         self.fanout_of: list[int] = []
-        fanned, self.held_fanouts = fanouts_of(graph, self.strategies, self.producer, mesh,
-                                               options.fanouts)
+        mode = fanout_mode(options.fanouts, mesh)
+        fanned, self.held_fanouts = fanouts_of(graph, self.strategies, self.producer, mode)
+        # twin strategy -> (output index, the partial sum it reduces): reduce_once's
+        self.twins: dict[Strategy, tuple[int, ShardSpec]] = {}
+        if mode == "reduce":
+            self.strategies, self.twins = reduce_once(
+                graph, self.strategies, mesh, {v for v, _ in fanned},
+                lambda value, src, dst: self.reshard_comms(value, src, dst))
         for v, strategies in fanned:
             self.source[v] = (len(self.strategies), 0)
             self.strategies.append(strategies)

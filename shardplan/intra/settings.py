@@ -34,22 +34,21 @@ class IntraOptions:
     # layer) and read outside every scope: the gradients the optimizer's update reads several
     # times (global norm, moments), which a scan reduces once, into its stacked output (priced
     # per reader, the unrolled model's ZeRO plans paid each all-reduce 2-3 times and lost to
-    # the scanned model's plan); "reduced": the values of "partial", their fan-outs in whole
-    # layouts only (XLA reduces once, where the value is first read whole); "all": exact;
-    # "none". They grow the ILP: "partial" planned GPT-2 124M in 1.2x the time on 8 devices
-    # but 6x on 2x4 (since the lazy LP: 1.07x there, and 1.35x for the unrolled GPT-2 1.5B on
-    # 8x8), so "auto" is "partial" on meshes with one useful axis and "layers" on the
-    # others. "reduced" on two axes plans that GPT-2 1.5B in 1.2x the CPU time of "layers"
-    # and finds better plans by the estimate where "layers" prices a batch norm's statistics
-    # or a layer norm's input once per reader (real size: WideResNet 250M 0.76x on 2x4 and
-    # 0.84x on 8x8, ViT-B/16 0.92x, the MoE 380M 0.93x on 8x8; GPT-2 124M 1.015x on 8x8).
-    # It is not "auto" yet: the zoo's GPT at test size on 2x4 gets 109 fan-outs (27 under
-    # "layers": every dot's input gradient and dropout read twice in the backward pass) and
-    # HiGHS's MIP no longer proves its plan in the 30 s tests/golden_plans.py gives it (38 s
-    # and unproven, against 6.4 s proven); with it the 2-D completion of that GPT compiles to
-    # 1.15x its memory estimate (XLA gathers its kernels whole; the memory model holds them
-    # as laid out), and the extrapolation of FSDP's completion from 1 and 2 of its 8 layers
-    # (depth.py) misses its compute by 2.5%.
+    # the scanned model's plan); "reduce": the fan-outs of "layers", and every other value
+    # read several times may be reduced once where it is made (intra/simplify.py
+    # reduce_once: its producer's strategies that leave it partial get twins that all-reduce
+    # or reduce-scatter it); "reduced": the values of "partial", their fan-outs in whole
+    # layouts only; "all": exact; "none". "auto" is "partial" on meshes with one useful axis
+    # and "reduce" on the others: fan-outs grow the ILP, and on two axes they weaken its LP
+    # relaxation ("partial" planned GPT-2 124M on 2x4 in 6x the time of "layers"; "reduced"
+    # left the zoo's GPT at test size on 2x4 an LP half of every layout, 47 s for HiGHS to
+    # prove against 5 s), where twins are choices of members the ILP has already. Measured
+    # (real size, a100-80gb, each searched plan compiled; "layers" -> "reduce", compiled ms):
+    # WideResNet 250M on 8x8 8.80 -> 6.79, ViT-B/16 4.18 -> 3.99 (8x8) and 3.04 -> 2.95
+    # (2x4), the MoE 380M 10.27 -> 10.25 (8x8) and 14.65 -> 14.59, BERT base 7.92 -> 7.85
+    # and 6.49 -> 6.44, GPT-2 124M 10.50 -> 10.27 and 13.42 -> 13.28, llama 7B on 2x4 even;
+    # a batch norm's statistics and a layer norm's input, partial sums where the batch or
+    # the hidden dimension is split, each reader paid their all-reduce under "layers".
     fanouts: str = "auto"
     # Repeated layers (numbered scopes such as layer_3) share one choice per operator.
     tie_layers: bool = True

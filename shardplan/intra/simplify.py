@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from shardplan.ir import primitives
 from shardplan.ir.graph import Graph
@@ -154,23 +154,32 @@ def fanout_members(graph: Graph, strategies: list[list[Strategy]],
     return out
 
 
-def fanouts_of(graph: Graph, strategies: list[list[Strategy]],
-               producer: dict[int, tuple[int, int]], mesh: MeshShape, mode: str
-               ) -> tuple[list[tuple[int, list[Strategy]]], frozenset[int]]:
-    """The fan-out members IntraOptions.fanouts asks for ("auto": "partial" on a mesh with one
-    useful axis, "layers" on the others), and the values among them that the memory model
-    holds as copies of their own (memory.py): all but those "reduced" adds to "layers" (the
-    ILP prices them reduced once; the memory model counts their readers' copies as it does
-    without a fan-out, as its tests and benchmarks/memory_check.py were written for)."""
-    if mode not in ("auto", "none", "layers", "partial", "reduced", "all"):
-        raise ValueError(f"fanouts={mode!r}: use 'auto', 'none', 'layers', 'partial', "
-                         "'reduced' or 'all'")
+FANOUT_MODES = ("auto", "none", "layers", "reduce", "partial", "reduced", "all")
+
+
+def fanout_mode(mode: str, mesh: MeshShape) -> str:
+    """IntraOptions.fanouts resolved: "auto" is "partial" on a mesh with one useful axis,
+    "reduce" on the others."""
+    if mode not in FANOUT_MODES:
+        raise ValueError(f"fanouts={mode!r}: use one of {', '.join(map(repr, FANOUT_MODES))}")
     if mode == "auto":
-        mode = "partial" if len(mesh.useful_axes()) == 1 else "layers"
+        return "partial" if len(mesh.useful_axes()) == 1 else "reduce"
+    return mode
+
+
+def fanouts_of(graph: Graph, strategies: list[list[Strategy]],
+               producer: dict[int, tuple[int, int]], mode: str
+               ) -> tuple[list[tuple[int, list[Strategy]]], frozenset[int]]:
+    """The fan-out members a resolved fanout_mode asks for ("reduce": those of "layers"; its
+    twins are reduce_once's), and the values among them that the memory model holds as copies
+    of their own (memory.py): all but those "reduced" adds to "layers" (the ILP prices them
+    reduced once; the memory model counts their readers' copies as it does without a fan-out,
+    as its tests and benchmarks/memory_check.py were written for)."""
     if mode == "none":
         return [], frozenset()
     found = fanout_members(graph, strategies, producer, partial_only=mode != "all",
-                           across_layers=mode == "layers", reduced_only=mode == "reduced")
+                           across_layers=mode in ("layers", "reduce"),
+                           reduced_only=mode == "reduced")
     held = frozenset(v for v, _, across in found if across or mode != "reduced")
     return [(v, listed) for v, listed, _ in found], held
 
@@ -211,3 +220,70 @@ def tie_layers(names: Sequence[str], strategies: list[list[Strategy]], roots: Se
         occurrence[(key, layer)] = n + 1
         rep[r] = first.setdefault((key, n), r)
     return rep
+
+
+
+
+def reduce_once(graph: Graph, strategies: list[list[Strategy]], mesh: MeshShape,
+                skip: Collection[int], reduce_comms
+                ) -> tuple[list[list[Strategy]], dict[Strategy, tuple[int, ShardSpec]]]:
+    """`strategies` where a value read by several nodes may be reduced once, where it is made:
+    each strategy that leaves it a partial sum gets twins that reduce it into a whole layout,
+    its own or one split over the summed axes (an all-reduce or a reduce-scatter: the twin's
+    extra collectives are `reduce_comms(value, partial spec, whole spec)`). XLA reduces a
+    partial value once, where it is first read whole, for all its readers; priced on the edges
+    instead, each reader pays it, and the ILP kept a batch norm's statistics and a layer norm's
+    input away from the layouts that leave them partial. A fan-out member does the same with
+    a member of its own ("reduced"), at the cost of the LP relaxation: the zoo's GPT at test size
+    on 2x4 went from an integral LP to one half of every layout (HiGHS 47 s to prove it,
+    against 5 s here). Values in `skip` (a fan-out reshards them) are left.
+    Also returns each twin's (output index, the partial spec it reduces)."""
+    n_in = len(graph.inputs)
+    counts: dict[int, int] = {}
+    for node in graph.nodes:
+        for v in set(node.inputs):
+            counts[v] = counts.get(v, 0) + 1
+    for v in graph.outputs:
+        counts[v] = counts.get(v, 0) + 1
+    out, twins = list(strategies), {}
+    # (strategy list, outputs read several times) -> the list with twins: tied layers share it
+    twinned: dict[tuple[int, tuple[int, ...]], list[Strategy]] = {}
+    for node in graph.nodes:
+        ks = tuple(k for k, v in enumerate(node.outputs) if counts.get(v, 0) >= 2 and v not in skip)
+        if not ks:
+            continue
+        listed = strategies[n_in + node.id]
+        key = (id(listed), ks)
+        if key not in twinned:
+            extra = []
+            for s in listed:
+                for k in ks:
+                    if s.out_specs[k].partial:
+                        for twin in _twins(s, k, graph.values[node.outputs[k]], mesh,
+                                           reduce_comms):
+                            twins[twin] = (k, s.out_specs[k])
+                            extra.append(twin)
+            twinned[key] = listed + extra if extra else listed
+        out[n_in + node.id] = twinned[key]
+    return out, twins
+
+
+def _twins(s: Strategy, k: int, value, mesh: MeshShape, reduce_comms) -> list[Strategy]:
+    """s, its output k all-reduced, or reduce-scattered onto one dimension."""
+    spec = s.out_specs[k]
+    whole = spec.without_partial()
+    targets = [whole]
+    order = mesh.names.index
+    for d, axes in enumerate(whole.dims):
+        # the summed axes join the dimension's minor end, in mesh order (else a permute)
+        split = axes + tuple(sorted(spec.partial, key=order))
+        if list(split) == sorted(split, key=order):
+            target = ShardSpec(whole.dims[:d] + (split,) + whole.dims[d + 1:])
+            if target.valid_for(value.shape, mesh):
+                targets.append(target)
+    out = []
+    for target in targets:
+        outs = s.out_specs[:k] + (target,) + s.out_specs[k + 1:]
+        out.append(dataclasses.replace(s, name=f"{s.name}, reduced{target}", out_specs=outs,
+                                       comms=s.comms + tuple(reduce_comms(value, spec, target))))
+    return out
