@@ -12,8 +12,14 @@ from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
 from shardplan.intra import combiner, hubs, ilp, loss_hubs
 from shardplan.intra.reshard_prices import ReshardPrices
 from shardplan.intra.settings import IntraOptions
-from shardplan.intra.simplify import (Groups, fanout_mode, fanouts_of, merge_followers,
-                                      reduce_once, tie_layers)
+from shardplan.intra.simplify import (
+    Groups,
+    fanout_mode,
+    fanouts_of,
+    merge_followers,
+    reduce_once,
+    tie_layers,
+)
 from shardplan.ir.graph import Graph, Role, Value
 from shardplan.strategies import registry
 from shardplan.strategies.base import Strategy
