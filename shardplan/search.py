@@ -78,7 +78,8 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
         mesh=mesh_shape, hardware=hw.name,
         input_names=traced.arg_info.input_names, input_specs=intra.input_specs,
         output_names=traced.arg_info.output_names, output_specs=intra.output_specs,
-        constraints={v: intra.value_specs[v] for v in sorted(intra.constrained)},
+        constraints={v: intra.made_specs.get(v, intra.value_specs[v])
+                     for v in sorted(intra.constrained)},
         estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
         memory_budget=options.memory_budget, ops=ops,
         search_s=time.perf_counter() - start, notes=intra.notes + _pinned_note(hinted, traced),

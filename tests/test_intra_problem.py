@@ -59,15 +59,17 @@ def test_a_stacked_value_is_priced_as_its_layers_one_by_one():
     assert problem.reshard_time(one, one_src, one_dst) == per_layer
 
 
-def _layered_step(layers=4):
+def _layered_step(layers=4, cast=False):
     """A train step whose layers are named scopes and whose update reads each gradient three
-    times (a global norm, a moment, the update), as optax's do."""
+    times (a global norm, a moment, the update), as optax's do; `cast`: the layers compute in
+    bf16 (their kernels cast, as a mixed-precision model's)."""
 
     def loss(params, x):
         for i in range(layers):
             with jax.named_scope(f"layer_{i}"):
-                x = jnp.tanh(x @ params[f"layer_{i}"])
-        return jnp.mean(x ** 2)
+                w = params[f"layer_{i}"]
+                x = jnp.tanh(x.astype(w.dtype) @ (w.astype(jnp.bfloat16) if cast else w))
+        return jnp.mean(x.astype(jnp.float32) ** 2)
 
     def step(params, mom, x):
         grads = jax.grad(loss)(params, x)
@@ -137,30 +139,43 @@ def test_reduced_fan_outs_price_a_partial_value_read_several_times_once():
     assert total("auto") <= 1.01 * total("reduced")
 
 
-def test_a_value_read_several_times_gets_twins_that_reduce_its_partial_sum_where_it_is_made():
+def test_a_value_read_several_times_gets_twins_that_reshard_it_once_where_it_is_made():
     """"reduce" (auto on two axes): each strategy leaving a value read by several nodes a
     partial sum has twins, the same strategy with the value all-reduced or reduce-scattered
-    onto one dimension, the collectives the edge would have charged; values read once, and
-    those a fan-out reshards, have none; tied layers share the list with its twins."""
-    graph = _layered_step()
+    onto one dimension; a cast's strategies leaving it split, twins that all-gather it over
+    some minor axes (an FSDP kernel's bf16 copy, gathered once for the forward and the
+    backward dot); the collectives are those the edge would have charged each reader. Values
+    read once, and those a fan-out reshards, have none; tied layers share the list with its
+    twins."""
+    graph = _layered_step(cast=True)
     problem = _problem(graph)
     layers = _problem(graph, fanouts="layers")
     assert problem.twins and not layers.twins and problem.fanout_of == layers.fanout_of
     reads: dict[int, int] = {}
-    for node in graph.nodes:
-        for v in set(node.inputs):
-            reads[v] = reads.get(v, 0) + 1
-    for twin, (k, partial) in problem.twins.items():
-        node = next(n for n in graph.nodes if twin in problem.strategies[problem.num_inputs + n.id])
+    for v in [v for node in graph.nodes for v in set(node.inputs)] + list(graph.outputs):
+        reads[v] = reads.get(v, 0) + 1  # an output is written where its input is stored
+    kinds = set()
+    found = [(node, twin) for node in graph.nodes
+             for twin in problem.strategies[problem.num_inputs + node.id] if twin in problem.twins]
+    assert {twin for _, twin in found} == set(problem.twins)
+    for node, twin in found:
+        k, made = problem.twins[twin]
         v = node.outputs[k]
         assert reads.get(v, 0) >= 2 and v not in problem.fanout_of
         base = next(s for s in layers.strategies[problem.num_inputs + node.id]
-                    if s.in_specs == twin.in_specs and s.out_specs[k] == partial)
+                    if s.in_specs == twin.in_specs and s.out_specs[k] == made)
         spec = twin.out_specs[k]
-        assert not spec.partial and twin.out_specs[:k] == base.out_specs[:k]
+        assert not spec.partial and spec != made and twin.out_specs[:k] == base.out_specs[:k]
         extra = twin.comms[len(base.comms):]
-        assert extra == problem.reshard_comms(graph.values[v], partial, spec)
-        assert {c.kind for c in extra} <= {"all-reduce", "reduce-scatter"}
+        assert extra == problem.reshard_comms(graph.values[v], made, spec)
+        if made.partial:
+            assert {c.kind for c in extra} <= {"all-reduce", "reduce-scatter"}
+        else:  # gathered: each dimension keeps a prefix of its axes
+            assert node.primitive == "convert_element_type"
+            assert all(d[:len(t)] == t for d, t in zip(made.dims, spec.dims))
+            assert {c.kind for c in extra} == {"all-gather"}
+        kinds |= {c.kind for c in extra}
+    assert {"all-gather", "all-reduce"} <= kinds
     twinned = [m for m in range(problem.num_inputs, problem.num_real)
                if any(s in problem.twins for s in problem.strategies[m])]
     assert twinned and len({id(problem.strategies[m]) for m in twinned}) < len(twinned)

@@ -131,3 +131,47 @@ def test_a_partial_sum_read_twice_is_reduced_once_where_it_is_made(devices):
                                                           args))
     np.testing.assert_allclose(np.asarray(lowered.compile()(w, x)),
                                np.asarray(_read_twice(w, x)), rtol=1e-4, atol=1e-4)
+
+
+def _cast_read_twice(w, x):
+    wb = w.astype(jnp.bfloat16)
+    h = jnp.tanh(x.astype(jnp.bfloat16) @ wb)
+    return (h @ wb.T).astype(jnp.float32)
+
+
+def test_a_split_value_read_twice_is_gathered_once_in_its_own_dtype(devices):
+    """A kernel stored split over all 8 devices (FSDP), cast to bf16 and read by two dots that
+    want it whole on the contraction: the cast's twin gathers it once for both (priced per
+    reader, each dot paid the gather). Emitted in the readers' routes, the cast constrained
+    where it is made as it was planned: constrained gathered there, XLA ran the cast itself
+    gathered and gathered the f32 kernel (twice the bytes). Compiled: gathers of bf16, the bytes
+    the estimate expects, the unsharded function's numbers."""
+    mesh = auto_mesh((2, 4), ("data", "model"))
+    shape = MeshShape.of(mesh)
+    hw = get_profile("a100-80gb")
+    args = (jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
+            jax.ShapeDtypeStruct((64, 1024), jnp.float32))
+    traced = trace(_cast_read_twice, args, (0,), (1,))
+    options = DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,))
+    graph = lift(traced.closed_jaxpr, traced.arg_info)
+    plan, intra = search.plan_graph(graph, traced, shape, hw, options, device_mesh=mesh,
+                                    device_order=[d.id for d in mesh.devices.flat],
+                                    fixed_inputs={0: S.split(2, 0, ("data", "model")),
+                                                  1: S.split(2, 0, "data")},
+                                    donated=frozenset())
+    cast = next(n for n in graph.nodes if n.primitive == "convert_element_type"
+                and graph.values[n.inputs[0]].shape == (1024, 1024))
+    assert ", gathered[" in intra.node_strategies[cast.id].name
+    lowered = measure.lower_plan(graph, traced, plan, mesh)
+    stats = hlo.analyze(measure.compile_for_analysis(lowered))
+    gathers = [op for op in stats.collectives if op.kind == "all-gather"]
+    # bf16 in the program (XLA:CPU widens it to f32 in the collective; the pricer halves it)
+    assert gathers and all(op.dtypes == ("bfloat16",) or op.widened_nbytes == op.nbytes
+                           for op in gathers)
+    _, priced = measure.compile_and_price(lowered, mesh, shape, hw, "bfloat16")
+    assert plan.estimate.comm_bytes == pytest.approx(priced.bytes_sent, rel=1e-6)
+
+    w, x = (jax.random.normal(k, a.shape) for k, a in zip(jax.random.split(jax.random.key(0)),
+                                                          args))
+    np.testing.assert_allclose(np.asarray(lowered.compile()(w, x)),
+                               np.asarray(jax.jit(_cast_read_twice)(w, x)), rtol=2e-2, atol=2e-2)

@@ -42,6 +42,9 @@ class IntraPlan:
     # (node id, input index) -> the layouts an operand is resharded through before the node
     operand_specs: Mapping[tuple[int, int], tuple[ShardSpec, ...]] = dataclasses.field(
         default_factory=dict)
+    # value -> the layout it is constrained to where it is made, where that is not its
+    # value_specs' (a gather twin's: its readers' routes gather it)
+    made_specs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
 
 
 def _pinned(problem: Problem, inp: ilp.SolverInput, fixed: Mapping[int, ShardSpec]):
@@ -199,19 +202,27 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
         value_specs[v] = chosen[i].out_specs[0]
     node_strategies = {}
     constrained = set()
-    # value -> the partial sum a twin (Problem.twins) reduces it from, where the emitted
-    # program constrains it whole first (estimate.whole_first), in its readers' routes
-    reduced_from: dict[int, ShardSpec] = {}
+    # value -> the layout a twin (Problem.twins) reshards it from, where the emitted program
+    # reshards it in its readers' routes: a partial sum constrained whole first
+    # (estimate.whole_first), a cast gathered (made: constrained as the cast made it)
+    resharded_from: dict[int, ShardSpec] = {}
+    made: dict[int, ShardSpec] = {}
     for node in graph.nodes:
         s = chosen[n_in + node.id]
         node_strategies[node.id] = s
         twin = problem.twins.get(s)
         for k, (v, spec) in enumerate(zip(node.outputs, s.out_specs)):
             value_specs.setdefault(v, spec)
+            if twin is not None and twin[0] == k and not twin[1].partial:
+                # constrained gathered where it is made, XLA would run the cast itself
+                # gathered, on its wider input
+                resharded_from[v] = made[v] = twin[1]
+                constrained.add(v)
+                continue
             if twin is not None and twin[0] == k and (
                     estimate_mod.whole_first(twin[1], spec, mesh)
                     or problem.whole_first(graph.values[v], twin[1], spec) is not None):
-                reduced_from[v] = twin[1]
+                resharded_from[v] = twin[1]
                 continue
             # Every value is pinned to its planned spec (partial sums cannot be written as a
             # sharding): left free, XLA's propagation picks other layouts for followers and
@@ -234,15 +245,15 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
         for i, (v, dst) in enumerate(zip(node.inputs, node_strategies[node.id].in_specs)):
             if not is_tensor(graph.values[v]) or v not in value_specs or graph.values[v].ndim == 0:
                 continue
-            src, route = reduced_from.get(v, value_specs[v]), []
-            for target in (fanout.get(v) or (value_specs[v] if v in reduced_from else None), dst):
+            src, route = resharded_from.get(v, value_specs[v]), []
+            for target in (fanout.get(v) or (value_specs[v] if v in resharded_from else None), dst):
                 if target is not None and target != src:
                     mid = problem.whole_first(graph.values[v], src, target)
                     route += [mid] if mid is not None else reduced_first(src, target, mesh)
                     route += problem.cost.reshard_path(graph.values[v], mid or src, target)
                     src = target
             route = [x for k, x in enumerate(route) if not x.partial
-                     and (x != value_specs[v] or v in reduced_from)
+                     and (x != value_specs[v] or v in resharded_from)
                      and (k == 0 or x != route[k - 1])]
             if route:
                 operand_specs[(node.id, i)] = tuple(route)
@@ -250,7 +261,7 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
                      frozenset(constrained), estimate, solution.solver, solution.optimal,
                      len(problem.reps), time.perf_counter() - start, comms=comms,
                      combined=combined,
-                     operand_specs=operand_specs, notes=tuple(notes))
+                     operand_specs=operand_specs, notes=tuple(notes), made_specs=made)
 
 
 
