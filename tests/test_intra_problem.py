@@ -61,15 +61,15 @@ def test_a_stacked_value_is_priced_as_its_layers_one_by_one():
 
 def _layered_step(layers=4, cast=False):
     """A train step whose layers are named scopes and whose update reads each gradient three
-    times (a global norm, a moment, the update), as optax's do; `cast`: the layers compute in
-    bf16 (their kernels cast, as a mixed-precision model's)."""
+    times (a global norm, a moment, the update), as optax's do; `cast`: each kernel cast to
+    bf16 before its dot (as a mixed-precision model's)."""
 
     def loss(params, x):
         for i in range(layers):
             with jax.named_scope(f"layer_{i}"):
                 w = params[f"layer_{i}"]
-                x = jnp.tanh(x.astype(w.dtype) @ (w.astype(jnp.bfloat16) if cast else w))
-        return jnp.mean(x.astype(jnp.float32) ** 2)
+                x = jnp.tanh(x @ (w.astype(jnp.bfloat16) if cast else w))
+        return jnp.mean(x ** 2)
 
     def step(params, mom, x):
         grads = jax.grad(loss)(params, x)

@@ -94,6 +94,27 @@ def test_reduced_first_only_where_an_idle_axis_could_hold_the_slice():
 
 
 
+
+def _planned(fn, args, mesh, hw, fixed):
+    """fn(state, batch) planned on `mesh` with its inputs pinned: (graph, plan, intra plan,
+    the plan's program lowered)."""
+    traced = trace(fn, args, (0,), (1,))
+    graph = lift(traced.closed_jaxpr, traced.arg_info)
+    plan, intra = search.plan_graph(graph, traced, MeshShape.of(mesh), hw,
+                                    DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,)),
+                                    device_mesh=mesh,
+                                    device_order=[d.id for d in mesh.devices.flat],
+                                    fixed_inputs=fixed, donated=frozenset())
+    return graph, plan, intra, measure.lower_plan(graph, traced, plan, mesh)
+
+
+def _same_numbers(lowered, fn, args, tol):
+    real = [jax.random.normal(k, a.shape) for k, a in zip(jax.random.split(jax.random.key(0)),
+                                                           args)]
+    np.testing.assert_allclose(np.asarray(lowered.compile()(*real)),
+                               np.asarray(jax.jit(fn)(*real)), rtol=tol, atol=tol)
+
+
 def _read_twice(w, x):
     h = x @ w
     return jnp.tanh(h) * h
@@ -106,31 +127,19 @@ def test_a_partial_sum_read_twice_is_reduced_once_where_it_is_made(devices):
     the emitted program constrains it whole first (in its readers' routes, as a fan-out's):
     no collective-permute, the bytes the estimate expects, the unsharded function's numbers."""
     mesh = auto_mesh((4, 2), ("data", "model"))
-    shape = MeshShape.of(mesh)
     hw = dataclasses.replace(get_profile("a100-80gb"), devices_per_host=2)
     args = (jax.ShapeDtypeStruct((4098, 258), jnp.float32),  # no dimension divides by 4
             jax.ShapeDtypeStruct((66, 4098), jnp.float32))
-    traced = trace(_read_twice, args, (0,), (1,))
-    options = DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,))
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    plan, intra = search.plan_graph(graph, traced, shape, hw, options, device_mesh=mesh,
-                                    device_order=[d.id for d in mesh.devices.flat],
-                                    fixed_inputs={0: S.split(2, 0, "model"),
-                                                  1: S.split(2, 1, "model")},
-                                    donated=frozenset())
+    graph, plan, intra, lowered = _planned(_read_twice, args, mesh, hw,
+                                           {0: S.split(2, 0, "model"), 1: S.split(2, 1, "model")})
     dot = next(n for n in graph.nodes if n.primitive == "dot_general")
     assert ", reduced[" in intra.node_strategies[dot.id].name
     assert [c.kind for _, c in intra.comms] == ["reduce-scatter"]
-    lowered = measure.lower_plan(graph, traced, plan, mesh)
     stats = hlo.analyze(measure.compile_for_analysis(lowered))
     assert not [op for op in stats.collectives if op.kind == "collective-permute"]
-    _, priced = measure.compile_and_price(lowered, mesh, shape, hw, "float32")
+    _, priced = measure.compile_and_price(lowered, mesh, MeshShape.of(mesh), hw, "float32")
     assert plan.estimate.comm_bytes == pytest.approx(priced.bytes_sent, rel=1e-6)
-
-    w, x = (jax.random.normal(k, a.shape) for k, a in zip(jax.random.split(jax.random.key(0)),
-                                                          args))
-    np.testing.assert_allclose(np.asarray(lowered.compile()(w, x)),
-                               np.asarray(_read_twice(w, x)), rtol=1e-4, atol=1e-4)
+    _same_numbers(lowered, _read_twice, args, 1e-4)
 
 
 def _cast_read_twice(w, x):
@@ -147,31 +156,20 @@ def test_a_split_value_read_twice_is_gathered_once_in_its_own_dtype(devices):
     gathered and gathered the f32 kernel (twice the bytes). Compiled: gathers of bf16, the bytes
     the estimate expects, the unsharded function's numbers."""
     mesh = auto_mesh((2, 4), ("data", "model"))
-    shape = MeshShape.of(mesh)
     hw = get_profile("a100-80gb")
     args = (jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
             jax.ShapeDtypeStruct((64, 1024), jnp.float32))
-    traced = trace(_cast_read_twice, args, (0,), (1,))
-    options = DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,))
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    plan, intra = search.plan_graph(graph, traced, shape, hw, options, device_mesh=mesh,
-                                    device_order=[d.id for d in mesh.devices.flat],
-                                    fixed_inputs={0: S.split(2, 0, ("data", "model")),
-                                                  1: S.split(2, 0, "data")},
-                                    donated=frozenset())
+    graph, plan, intra, lowered = _planned(_cast_read_twice, args, mesh, hw,
+                                           {0: S.split(2, 0, ("data", "model")),
+                                            1: S.split(2, 0, "data")})
     cast = next(n for n in graph.nodes if n.primitive == "convert_element_type"
                 and graph.values[n.inputs[0]].shape == (1024, 1024))
     assert ", gathered[" in intra.node_strategies[cast.id].name
-    lowered = measure.lower_plan(graph, traced, plan, mesh)
     stats = hlo.analyze(measure.compile_for_analysis(lowered))
     gathers = [op for op in stats.collectives if op.kind == "all-gather"]
     # bf16 in the program (XLA:CPU widens it to f32 in the collective; the pricer halves it)
     assert gathers and all(op.dtypes == ("bfloat16",) or op.widened_nbytes == op.nbytes
                            for op in gathers)
-    _, priced = measure.compile_and_price(lowered, mesh, shape, hw, "bfloat16")
+    _, priced = measure.compile_and_price(lowered, mesh, MeshShape.of(mesh), hw, "bfloat16")
     assert plan.estimate.comm_bytes == pytest.approx(priced.bytes_sent, rel=1e-6)
-
-    w, x = (jax.random.normal(k, a.shape) for k, a in zip(jax.random.split(jax.random.key(0)),
-                                                          args))
-    np.testing.assert_allclose(np.asarray(lowered.compile()(w, x)),
-                               np.asarray(jax.jit(_cast_read_twice)(w, x)), rtol=2e-2, atol=2e-2)
+    _same_numbers(lowered, _cast_read_twice, args, 2e-2)

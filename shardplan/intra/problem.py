@@ -69,7 +69,7 @@ class Problem(ReshardPrices):
         self.fanout_of: list[int] = []
         mode = fanout_mode(options.fanouts, mesh)
         fanned, self.held_fanouts = fanouts_of(graph, self.strategies, self.producer, mode)
-        # twin strategy -> (output index, the partial sum it reduces): reduce_once's
+        # twin strategy -> (output index, the layout it reshards from): reduce_once's
         self.twins: dict[Strategy, tuple[int, ShardSpec]] = {}
         if mode == "reduce":
             self.strategies, self.twins = reduce_once(

@@ -35,9 +35,9 @@ class IntraOptions:
     # times (global norm, moments), which a scan reduces once, into its stacked output (priced
     # per reader, the unrolled model's ZeRO plans paid each all-reduce 2-3 times and lost to
     # the scanned model's plan); "reduce": the fan-outs of "layers", and every other value
-    # read several times may be reduced once where it is made (intra/simplify.py
+    # read several times may be resharded once where it is made (intra/simplify.py
     # reduce_once: its producer's strategies that leave it partial get twins that all-reduce
-    # or reduce-scatter it); "reduced": the values of "partial", their fan-outs in whole
+    # or reduce-scatter it; a cast's, twins that gather it); "reduced": the values of "partial", their fan-outs in whole
     # layouts only; "all": exact; "none". "auto" is "partial" on meshes with one useful axis
     # and "reduce" on the others: fan-outs grow the ILP, and on two axes they weaken its LP
     # relaxation ("partial" planned GPT-2 124M on 2x4 in 6x the time of "layers"; "reduced"

@@ -1,6 +1,7 @@
 """Shape the ILP before solving: merge follower nodes into the node they follow (Alpa's
 "follower" merging), so each group of cheap ops makes one choice; give values read several
-times a fan-out member; tie repeated layers."""
+times a fan-out member, or their producers twins that reshard them once; tie repeated
+layers."""
 
 from __future__ import annotations
 
@@ -94,6 +95,14 @@ def merge_followers(graph: Graph, strategies: list[list[Strategy]], producer: di
     return Groups(tuple(root), tuple(pick))
 
 
+def read_counts(graph: Graph) -> dict[int, int]:
+    """value -> the nodes that read it, plus one per output it is (written back)."""
+    counts: dict[int, int] = {}
+    for v in [v for node in graph.nodes for v in set(node.inputs)] + list(graph.outputs):
+        counts[v] = counts.get(v, 0) + 1
+    return counts
+
+
 def fanout_members(graph: Graph, strategies: list[list[Strategy]],
                    producer: dict[int, tuple[int, int]], partial_only: bool,
                    across_layers: bool = False,
@@ -127,12 +136,7 @@ def fanout_members(graph: Graph, strategies: list[list[Strategy]],
         tie = g.output_ties[j]
         if tie is not None and v in readers:
             readers[v].update(s.out_specs[0] for s in strategies[tie])
-    counts: dict[int, int] = {}
-    for node in g.nodes:
-        for v in set(node.inputs):
-            counts[v] = counts.get(v, 0) + 1
-    for v in g.outputs:
-        counts[v] = counts.get(v, 0) + 1
+    counts = read_counts(g)
     lists: dict[tuple[ShardSpec, ...], list[Strategy]] = {}
     out = []
     for v in sorted(readers):
@@ -223,8 +227,6 @@ def tie_layers(names: Sequence[str], strategies: list[list[Strategy]], roots: Se
     return rep
 
 
-
-
 def reduce_once(graph: Graph, strategies: list[list[Strategy]], mesh: MeshShape,
                 skip: Collection[int], reduce_comms
                 ) -> tuple[list[list[Strategy]], dict[Strategy, tuple[int, ShardSpec]]]:
@@ -245,13 +247,7 @@ def reduce_once(graph: Graph, strategies: list[list[Strategy]], mesh: MeshShape,
     124M on 8x8 5.8% compiled, WideResNet 250M 2.8%, for 1-3.4% on ViT, the MoE and BERT).
     Values in `skip` (a fan-out reshards them) are left. Also returns each twin's (output
     index, the layout it reshards from)."""
-    n_in = len(graph.inputs)
-    counts: dict[int, int] = {}
-    for node in graph.nodes:
-        for v in set(node.inputs):
-            counts[v] = counts.get(v, 0) + 1
-    for v in graph.outputs:
-        counts[v] = counts.get(v, 0) + 1
+    n_in, counts = len(graph.inputs), read_counts(graph)
     out, twins = list(strategies), {}
     # (strategy list, outputs read several times) -> the list with twins: tied layers share it
     twinned: dict[tuple[int, tuple[int, ...]], list[Strategy]] = {}
