@@ -8,11 +8,17 @@ plan prices at most data parallel's. So floor / data parallel bounds from below 
 searched / best expert can reach: no plan gets under it.
 
     .venv/bin/python benchmarks/floor.py --models gpt:gpt2-124m bert:base --meshes 8 2x4
+    .venv/bin/python benchmarks/floor.py --configs configs/bench/*.yaml --bench bench-out/bench.csv
+
+With `--configs`, the floor of each config (its model, batch, dtype, mesh and profile) against
+the searched plan and the best expert that `make bench` compiled and priced (its bench.csv):
+floor / best expert is the lowest searched / best any plan could reach there.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import os
 import time
@@ -37,6 +43,17 @@ def priced(compiled, mesh, hw, dtype):
     return price(stats, MeshShape.of(mesh), measure.device_grid(mesh), hw, dtype)
 
 
+def single_device(fn, args, state_argnums, hw, dtype):
+    """The step compiled for one device and priced by the profile."""
+    from shardplan import measure
+
+    one = jax.make_mesh((1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,),
+                        devices=jax.devices()[:1])
+    compiled = measure.compile_for_analysis(jax.jit(fn, donate_argnums=state_argnums)
+                                            .lower(*args))
+    return priced(compiled, one, hw, dtype)
+
+
 def floor_and_dp(name: str, size: str, mesh_name: str, profile: str):
     from shardplan import baselines, measure
     from shardplan.cost.hardware import get_profile
@@ -45,11 +62,7 @@ def floor_and_dp(name: str, size: str, mesh_name: str, profile: str):
     hw = get_profile(profile)
     m = get_model(name, size, abstract=True)
     dtype = "float32" if m.config.dtype == "float32" else "bfloat16"
-    one = jax.make_mesh((1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,),
-                        devices=jax.devices()[:1])
-    single = measure.compile_for_analysis(jax.jit(m.fn, donate_argnums=m.state_argnums)
-                                          .lower(*m.args))
-    whole = priced(single, one, hw, dtype)
+    whole = single_device(m.fn, m.args, m.state_argnums, hw, dtype)
     shape, names = MESHES[mesh_name]
     n = math.prod(shape)
     mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
@@ -61,12 +74,53 @@ def floor_and_dp(name: str, size: str, mesh_name: str, profile: str):
     return whole.compute_s / n, dp
 
 
+def config_floors(paths, bench_csv):
+    """Per config: the floor against what bench.csv says the searched plan and the best
+    expert that fits took."""
+    from shardplan.config import load_config
+    from shardplan.workload import build_workload
+
+    bench = {}
+    if bench_csv:
+        with open(bench_csv) as f:
+            bench = {row["config"]: row for row in csv.DictReader(f)}
+    print("| config | floor ms | best expert ms | searched ms | floor / best | searched / best |")
+    print("|---|---|---|---|---|---|")
+    ratios = []
+    for path in paths:
+        config = load_config(path)
+        work = build_workload(config)
+        n = config.cluster.mesh.num_devices
+        dtype = "float32" if work.dtype == "float32" else "bfloat16"
+        floor = single_device(work.fn, work.args, work.state_argnums, config.profile(),
+                              dtype).compute_s / n
+        name = os.path.splitext(os.path.basename(path))[0]
+        row = bench.get(name)
+        if row is None or not row["searched_over_best"]:
+            print(f"| {name} | {floor * 1e3:.3f} | | | | |", flush=True)
+            continue
+        searched = float(row["searched_s"])
+        best = searched / float(row["searched_over_best"])
+        ratios.append(floor / best)
+        print(f"| {name} | {floor * 1e3:.3f} | {best * 1e3:.3f} | {searched * 1e3:.3f} | "
+              f"{ratios[-1]:.3f} | {row['searched_over_best']} |", flush=True)
+    if ratios:
+        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        print(f"geometric mean of floor / best expert: {geo:.3f} over {len(ratios)} configs "
+              "(no plan's searched / best can be lower)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(ZOO), help="name:size")
     ap.add_argument("--meshes", nargs="+", default=["8", "2x4"], choices=sorted(MESHES))
     ap.add_argument("--profile", default="a100-80gb")
+    ap.add_argument("--configs", nargs="+", help="config YAMLs instead of --models/--meshes")
+    ap.add_argument("--bench", help="make bench's bench.csv, for the searched and best times")
     args = ap.parse_args(argv)
+    if args.configs:
+        config_floors(args.configs, args.bench)
+        return
     jax.config.update("jax_num_cpu_devices", max(math.prod(MESHES[m][0]) for m in args.meshes))
     print("| model | mesh | floor ms | data parallel ms (compute, comm) | floor / data parallel |")
     print("|---|---|---|---|---|")

@@ -11,11 +11,20 @@ XLA:TPU (measured on GPT-2 124M on 8 CPU devices: 44 GB `bytes accessed` per dev
 16 GB for one fusion per run of fusible ops), so the CPU figure would price the
 accelerator's elementwise work at the CPU's fusion.
 Instruction bytes are counted as HloCostAnalysis counts them (operands + result), which
-matches `compiled.cost_analysis()['bytes accessed']` instruction by instruction.
+matches `compiled.cost_analysis()['bytes accessed']` instruction by instruction, but for a
+fusion that holds a contraction only the operands its contractions read (through whatever
+else is fused) count: XLA:CPU's dot fusions also take in elementwise work on the dot's
+result, with that work's own operands (the gradient of a softmax fused after the dot of
+`dO @ v.T` reads the probabilities and the row sums as well: llama's attention at 2048
+tokens, 1.14 GB against the dot's 0.60 GB), traffic the other backends run in fusions of
+their own, which neither side counts; and the dot's own result where more is fused after it.
+A cast to 16 bits fused before or after the dot (an f32 kernel's bf16 copy) is a 16-bit read
+or write on an accelerator, as the widened bytes of XLA:CPU's bf16 dots are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -50,6 +59,7 @@ def contraction_traffic(text: str) -> tuple[float, float]:
     module = parse_module_cached(text)
     comps = module.computations
     holds = {name: any(i.opcode in CONTRACTIONS for i in instrs) for name, instrs in comps.items()}
+    reads: dict[str, _FusedReads] = {}  # fused computation -> what its contractions read
 
     def walk(comp: str, times: int, seen: frozenset) -> tuple[float, float]:
         instrs = comps.get(comp, [])
@@ -72,7 +82,12 @@ def contraction_traffic(text: str) -> tuple[float, float]:
                         total, widened = total + t, widened + w
                 continue
             called = i.attrs.get("calls", "").lstrip("%")
-            if i.opcode in CONTRACTIONS or (i.opcode == "fusion" and holds.get(called)):
+            if i.opcode == "fusion" and holds.get(called):
+                if called not in reads:
+                    reads[called] = _fused_reads(module, called)
+                t, w = _fusion_traffic(module, i, reads[called], shapes, users)
+                total, widened = total + times * t, widened + times * w
+            elif i.opcode in CONTRACTIONS:
                 moved = hlo_parse.nbytes(hlo_parse.arrays(i.shape))
                 readers = users.direct(i.name)
                 if readers and all(hlo_uses.to_narrow(module, r, i.name) for r in readers):
@@ -85,6 +100,72 @@ def contraction_traffic(text: str) -> tuple[float, float]:
         return total, widened
 
     return walk(module.entry, 1, frozenset({module.entry}))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FusedReads:
+    """What the contractions of a fused computation read and write: its parameters they read
+    (index -> whether every path narrows it to 16 bits first, a convert fused into the dot),
+    and, where something else is fused after them, their own results (shape, whether every
+    reader narrows it)."""
+
+    params: dict[int, bool]
+    results: tuple[tuple[str, bool], ...] | None  # None: a contraction is the fusion's root
+
+
+def _fused_reads(module: hlo_parse.Module, comp: str) -> _FusedReads:
+    """_FusedReads of fused computation `comp`: its contractions' operands followed back to
+    its parameters, through whatever is fused before them."""
+    body = module.computations.get(comp, [])
+    instrs = {i.name: i for i in body}
+    users = hlo_uses.Users(body)
+    dots = [i for i in body if i.opcode in CONTRACTIONS]
+    stack = [(o, False) for i in dots for o in _operand_names(i.operands)]
+    seen: set[tuple[str, bool]] = set()
+    params: dict[int, bool] = {}
+    while stack:
+        name, narrowed = stack.pop()
+        if (name, narrowed) in seen or name not in instrs:
+            continue
+        seen.add((name, narrowed))
+        i = instrs[name]
+        if i.opcode == "parameter":
+            k = int(i.operands)
+            params[k] = params.get(k, True) and narrowed
+            continue
+        narrowed = narrowed or (i.opcode == "convert" and hlo_uses.narrow_type(i.shape))
+        stack.extend((o, narrowed) for o in _operand_names(i.operands))
+    root = body[-1] if body else None
+    while root is not None and root.opcode in hlo_uses.RELAYOUTS:
+        root = instrs.get(_operand_names(root.operands)[0])
+    results = None
+    if root is None or root.opcode not in CONTRACTIONS:
+        results = tuple((d.shape, bool(users.direct(d.name)) and all(
+            hlo_uses.to_narrow(module, r, d.name) for r in users.direct(d.name))) for d in dots)
+    return _FusedReads(params, results)
+
+
+def _fusion_traffic(module, fusion, reads: _FusedReads, shapes, users) -> tuple[float, float]:
+    """(bytes, widened bytes) of a fusion holding contractions: the operands they read and
+    the results they write, as a backend that fuses nothing else with them would move."""
+    moved = widened = 0.0
+    if reads.results is None:
+        moved = hlo_parse.nbytes(hlo_parse.arrays(fusion.shape))
+        readers = users.direct(fusion.name)
+        if readers and all(hlo_uses.to_narrow(module, r, fusion.name) for r in readers):
+            widened += _f32_bytes(fusion.shape)
+    else:
+        for shape, narrowed in reads.results:
+            moved += hlo_parse.nbytes(hlo_parse.arrays(shape))
+            widened += _f32_bytes(shape) if narrowed else 0
+    for k, o in enumerate(_operand_names(fusion.operands)):
+        if k not in reads.params:
+            continue
+        shape = shapes.get(o, "")
+        moved += hlo_parse.nbytes(hlo_parse.arrays(shape))
+        if reads.params[k] or hlo_uses.from_narrow(module, users.get(o), shapes):
+            widened += _f32_bytes(shape)
+    return moved, widened
 
 
 def _f32_bytes(shape: str) -> int:

@@ -164,12 +164,13 @@ def _root(module: hlo_parse.Module, instr: hlo_parse.Instr) -> hlo_parse.Instr |
     return body[-1] if body else None
 
 
-def _narrow_type(shape: str) -> bool:
+def narrow_type(shape: str) -> bool:
+    """Whether every array of `shape` is a 16-bit float."""
     arrays = hlo_parse.arrays(shape)
     return bool(arrays) and all(t in _NARROW for _, t in arrays)
 
 
-_RELAYOUTS = frozenset({"bitcast", "reshape", "copy", "transpose"})
+RELAYOUTS = frozenset({"bitcast", "reshape", "copy", "transpose"})
 
 
 def from_narrow(module: hlo_parse.Module, producer: hlo_parse.Instr | None,
@@ -183,20 +184,20 @@ def from_narrow(module: hlo_parse.Module, producer: hlo_parse.Instr | None,
         called = re.findall(r"%?([^\s{},%]+)", producer.attrs.get("calls", ""))[0]
         instrs = {i.name: i for i in module.computations[called]}
         shapes = {name: i.shape for name, i in instrs.items()}
-        while body is not None and body.opcode in _RELAYOUTS:
+        while body is not None and body.opcode in RELAYOUTS:
             body = instrs.get(hlo_parse.split_top(body.operands)[0].split()[-1].lstrip("%"))
         producer = body
     if producer is None or producer.opcode != "convert":
         return False
     source = hlo_parse.split_top(producer.operands)[0]
     source_shape = source if hlo_parse.ARRAY.search(source) else shapes.get(source.split()[-1].lstrip("%"), "")
-    return _narrow_type(source_shape)
+    return narrow_type(source_shape)
 
 
 def to_narrow(module: hlo_parse.Module, user: hlo_parse.Instr, operand: str) -> bool:
     """Whether `user` converts its `operand` to 16-bit floats before anything else reads it."""
     if user.opcode == "convert":
-        return _narrow_type(user.shape)
+        return narrow_type(user.shape)
     if user.opcode != "fusion":
         return False
     names = [op.split()[-1].lstrip("%") for op in hlo_parse.split_top(user.operands)]
@@ -208,7 +209,7 @@ def to_narrow(module: hlo_parse.Module, user: hlo_parse.Instr, operand: str) -> 
               and i.operands.strip() in {str(k) for k, x in enumerate(names) if x == operand}}
     readers = [i for i in body if any(op.split()[-1].lstrip("%") in params
                                       for op in hlo_parse.split_top(i.operands))]
-    return bool(readers) and all(i.opcode == "convert" and _narrow_type(i.shape) for i in readers)
+    return bool(readers) and all(i.opcode == "convert" and narrow_type(i.shape) for i in readers)
 
 
 def widened_bytes(instr: hlo_parse.Instr, arrays, users: UseSite, module: hlo_parse.Module) -> int:
