@@ -35,3 +35,20 @@ def test_rules_fall_back_to_replicated():
     assert experts.largest_dim_spec((3, 5), ("x",), mesh) == ShardSpec.replicated(2)
     specs = experts.input_specs("megatron", ["a/b"], [(8,)], [Role.BATCH], mesh, ("x",))
     assert specs == (ShardSpec.replicated(1),)  # the batch stays whole on the tensor axis
+
+
+def test_a_batch_too_small_for_every_axis_is_split_over_the_first_that_divide_it():
+    """A batch of 8 on 8x8: data parallel splits it over `data` (as an expert writes it), not
+    replicated over both axes (every device computing the whole step: 74 ms against 10 for
+    the searched GPT-2 124M on 8x8, a100)."""
+    mesh = MeshShape(("data", "model"), (8, 8))
+    axes = ("data", "model")
+    for expert in ("data_parallel", "fsdp"):
+        specs = experts.input_specs(expert, ["batch/x"], [(8, 1024)], [Role.BATCH], mesh, axes)
+        assert specs == (ShardSpec.split(2, 0, ("data",)),), expert
+    specs = experts.input_specs("data_parallel", ["batch/x"], [(64, 1024)], [Role.BATCH], mesh,
+                                axes)
+    assert specs == (ShardSpec.split(2, 0, ("data", "model")),)
+    specs = experts.input_specs("data_parallel", ["batch/x"], [(3, 1024)], [Role.BATCH], mesh,
+                                axes)
+    assert specs == (ShardSpec.replicated(2),)

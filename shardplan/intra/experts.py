@@ -52,6 +52,17 @@ def split_dim(shape: Sequence[int], dim: int | None, axes: Sequence[str],
     return ShardSpec.split(len(shape), dim, axes)
 
 
+def batch_spec(shape: Sequence[int], axes: Sequence[str], mesh: MeshShape) -> ShardSpec:
+    """The leading (batch) dimension split over the longest run of `axes`, from the first,
+    that divides it: a batch of 8 on an 8x8 mesh over `data` alone, as an expert splits it,
+    where over both it would be replicated, every device computing the whole step."""
+    for k in range(len(axes), 0, -1):
+        spec = split_dim(shape, 0, axes[:k], mesh)
+        if not spec.is_replicated():
+            return spec
+    return ShardSpec.replicated(len(shape))
+
+
 def largest_dim_spec(shape: Sequence[int], axes: Sequence[str], mesh: MeshShape) -> ShardSpec:
     """The largest dimension divisible by the axes' size split over them (the first of equal
     ones); replicated if none is."""
@@ -94,8 +105,8 @@ def input_specs(expert: str, paths: Sequence[str], shapes: Sequence[Sequence[int
                 tensor_axis: str | None = None,
                 rules: Sequence[SplitRule] = MEGATRON_RULES) -> tuple[ShardSpec, ...]:
     """The expert's spec of every input leaf over `axes` of `mesh`: state by its rule, the
-    batch's leading dimension split (not on the tensor axis for Megatron), the rest
-    replicated. `tensor_axis` defaults to the last of `axes`."""
+    batch's leading dimension split (not on the tensor axis for Megatron; over fewer axes
+    where all of them do not divide it, batch_spec), the rest replicated. `tensor_axis` defaults to the last of `axes`."""
     state_rule, tensor_parallel = EXPERTS[expert]
     tensor = tensor_axis or axes[-1]
     batch_axes = [a for a in axes if a != tensor] if tensor_parallel else list(axes)
@@ -104,7 +115,7 @@ def input_specs(expert: str, paths: Sequence[str], shapes: Sequence[Sequence[int
         if role == Role.STATE:
             out.append(state_rule(path, tuple(shape), tuple(axes), tensor, mesh, rules))
         elif role == Role.BATCH:
-            out.append(split_dim(shape, 0, batch_axes, mesh))
+            out.append(batch_spec(shape, batch_axes, mesh))
         else:
             out.append(ShardSpec.replicated(len(shape)))
     return tuple(out)
