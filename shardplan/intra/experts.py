@@ -5,7 +5,7 @@ The intra-op planner solves the ILP with each expert plan's inputs pinned as wel
 keeps the cheapest, so its plan is never worse, under the cost model, than what an expert
 writes by hand; shardplan.measure compiles them as candidates; shardplan.baselines turns them
 into NamedShardings of a TrainStep's arguments. A split that does not divide falls back to
-replicated for that leaf, so every spec is valid.
+replicated for that leaf (a batch to the first axes that divide it), so every spec is valid.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def input_specs(expert: str, paths: Sequence[str], shapes: Sequence[Sequence[int
                 rules: Sequence[SplitRule] = MEGATRON_RULES) -> tuple[ShardSpec, ...]:
     """The expert's spec of every input leaf over `axes` of `mesh`: state by its rule, the
     batch's leading dimension split (not on the tensor axis for Megatron; over fewer axes
-    where all of them do not divide it, batch_spec), the rest replicated. `tensor_axis` defaults to the last of `axes`."""
+    where all of them do not divide it, batch_spec), the rest replicated. `tensor_axis`
+    defaults to the last of `axes`."""
     state_rule, tensor_parallel = EXPERTS[expert]
     tensor = tensor_axis or axes[-1]
     batch_axes = [a for a in axes if a != tensor] if tensor_parallel else list(axes)
