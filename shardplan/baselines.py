@@ -81,8 +81,9 @@ def data_parallel(step: TrainStep, mesh):
 
 
 def fsdp(step: TrainStep, mesh):
-    """ZeRO-3: batch split over all axes (the first that divide it); every state leaf split over all axes on its largest
-    dimension divisible by the device count (replicated if none is)."""
+    """ZeRO-3: batch split over all axes (the first that divide it); every state leaf split
+    over all axes on its largest dimension divisible by the device count (replicated if none
+    is)."""
     return _shardings("fsdp", step, as_auto_mesh(mesh))
 
 
