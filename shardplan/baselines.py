@@ -76,7 +76,8 @@ def _shardings(expert: str, step: TrainStep, mesh, tensor_axis: str | None = Non
 
 
 def data_parallel(step: TrainStep, mesh):
-    """Batch split over all mesh axes; params and optimizer state replicated."""
+    """Batch split over all mesh axes (the first that divide it); params and optimizer state
+    replicated."""
     return _shardings("data_parallel", step, as_auto_mesh(mesh))
 
 
