@@ -143,6 +143,20 @@ def test_a_dot_fusion_moves_what_its_dot_reads_and_writes():
     assert widened == 4 * (32 * 16 + 64 * 16)  # p1 narrowed before the dot, its result after
 
 
+def test_a_dot_fused_with_what_follows_it_is_priced_as_the_dot(devices):
+    """XLA:CPU compiles sum((a @ b) * c * d) to one fusion reading a, b, c and d: the dot's
+    traffic is a, b and its result (c and d are the multiply's), 786,436 bytes counted before
+    against 524,288."""
+    from shardplan.analysis import hlo_bytes
+
+    n = 256
+    a, b = jax.numpy.ones((n, 128)), jax.numpy.ones((128, n))
+    c = d = jax.numpy.ones((n, n))
+    step = jax.jit(lambda a, b, c, d: jax.numpy.sum((a @ b) * c * d))
+    compiled = step.lower(a, b, c, d).compile()
+    assert hlo_bytes.contraction_bytes(compiled.as_text()) == 4 * (2 * n * 128 + n * n)
+
+
 def test_io_bytes_are_the_steps_arguments_and_results(devices):
     """The step's I/O: its arguments read and results written, per device, as
     compiled.memory_analysis() sizes them."""
