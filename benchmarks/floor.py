@@ -35,11 +35,11 @@ ZOO = ("gpt:gpt2-124m", "gpt:gpt2-355m", "bert:base", "bert:large", "vit:b16", "
 
 def priced(compiled, mesh, hw, dtype):
     from shardplan import measure
-    from shardplan.analysis import hlo, target
+    from shardplan.analysis import hlo, targets
     from shardplan.analysis.price import price
     from shardplan.strategies.spec import MeshShape
 
-    stats = target.on_target(hlo.analyze(compiled), mesh, hw, 1.0)
+    stats = targets.on_target(hlo.analyze(compiled), mesh, hw, 1.0)
     return price(stats, MeshShape.of(mesh), measure.device_grid(mesh), hw, dtype)
 
 

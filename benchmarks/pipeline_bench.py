@@ -40,6 +40,7 @@ import numpy as np
 import optax
 
 from shardplan import measure
+from shardplan.analysis import targets
 from shardplan.cost.hardware import get_profile
 from shardplan.grad import stage_boundary, value_and_grad
 from shardplan.inter import planner, stage_io
@@ -209,7 +210,7 @@ def run_spmd(size: str, batch: int, micro: int | None, dtype: str, which, compil
         hw, shape = clusters()[name]
         mesh = MeshShape(("hosts", "devices"), shape)
         compiled = name in compile_on
-        cpu = measure.cpu_mesh(mesh) if compiled else None
+        cpu = targets.cpu_mesh(mesh) if compiled else None
         t0 = time.perf_counter()
         intra, graph, _ = plan_step(traced, mesh, hw)
         row = {"cluster": name, "intra": intra.estimate.total_s,

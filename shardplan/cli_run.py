@@ -16,12 +16,13 @@ import shardplan
 from shardplan import baselines as bl
 from shardplan import depth, fingerprint, report
 from shardplan import hints as hints_mod
+from shardplan.analysis.targets import cpu_mesh
 from shardplan.cli_render import Phases
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError
 from shardplan.ir.lift import LiftOptions, lift
 from shardplan.ir.trace import trace
 from shardplan.measure import compile_and_price as price_program
-from shardplan.measure import completer, cpu_mesh, expert_plans, select_measured
+from shardplan.measure import completer, expert_plans, select_measured
 from shardplan.units import Deadline, fmt_bytes
 from shardplan.workload import Workload, build_workload
 

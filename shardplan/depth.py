@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from shardplan import measure
-from shardplan.analysis import target
+from shardplan.analysis import targets
 from shardplan.analysis.price import KindCost, PricedStep
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.intra import liveness
@@ -243,7 +243,7 @@ def compiler(graph: Graph, traced: TracedStep, shallow: Shallow | None, mesh,
     """(name, plan of `graph`) -> the plan compiled and priced (measure.MeasuredProgram):
     from the two `shallow` copies where the plan maps onto them (the module), else in full."""
     dtype = measure.compute_dtype(graph)
-    widening = liveness.cpu_widening(graph) if target.widens(mesh, hw) else 1.0
+    widening = liveness.cpu_widening(graph) if targets.widens(mesh, hw) else 1.0
     maps = None
     if shallow is not None and layer_period(graph) == (shallow.layers, shallow.period):
         maps = [cut_map(graph, g, d) for g, d in zip(shallow.graphs, shallow.depths)]

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from shardplan import measure
 from shardplan import replan as replan_mod
-from shardplan.analysis import target
+from shardplan.analysis import targets
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.intra import liveness
 from shardplan.intra.ilp import SearchTimeout
@@ -63,7 +63,7 @@ def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
                 "ran out; the estimate is the memory model's")
         return dataclasses.replace(plan, notes=(*plan.notes, note))
     start = time.perf_counter()
-    widening = (liveness.cpu_widening(graph) if target.widens(device_mesh, hw) else 1.0)
+    widening = (liveness.cpu_widening(graph) if targets.widens(device_mesh, hw) else 1.0)
     dtype = measure.compute_dtype(graph)
 
     # compiled with the donation the step will run with (None: the state, as the model counts)

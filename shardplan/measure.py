@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from shardplan import replan as replan_mod
-from shardplan.analysis import hlo, target
+from shardplan.analysis import hlo, targets
 from shardplan.analysis.price import PricedStep, price
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.emit import spmd
@@ -167,19 +167,6 @@ def completer(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hardw
     return complete
 
 
-def cpu_mesh(mesh_shape: MeshShape) -> jax.sharding.Mesh:
-    """An Auto-axes mesh of CPU devices standing in for the cluster, to compile programs on."""
-    devices = jax.devices("cpu")
-    n = mesh_shape.num_devices
-    if len(devices) < n:
-        raise ValueError(
-            f"compiling for the cluster takes {n} CPU devices standing in for it, and JAX runs "
-            f"{len(devices)}: call jax.config.update('jax_num_cpu_devices', {n}) before JAX "
-            "first touches a device, or pass measure=False")
-    return jax.sharding.Mesh(np.asarray(devices[:n]).reshape(mesh_shape.sizes), mesh_shape.names,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_shape.sizes))
-
-
 def device_grid(mesh) -> np.ndarray:
     """The device ids of `mesh` in its shape (where each collective's links are)."""
     return np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
@@ -192,7 +179,7 @@ def compile_and_price(lowered, mesh, mesh_shape: MeshShape, hw: HardwareProfile,
     devices standing in for a GPU or TPU, the share of the temporaries the target holds."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # donating abstract args warns
-        stats = target.on_target(hlo.analyze(compile_for_analysis(lowered)), mesh, hw, widening)
+        stats = targets.on_target(hlo.analyze(compile_for_analysis(lowered)), mesh, hw, widening)
     return stats, price(stats, mesh_shape, device_grid(mesh), hw, dtype)
 
 
@@ -250,7 +237,7 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     intermediates (expert_plans). `compile_one(name, plan)` compiles and prices a candidate
     instead of `measure` (shardplan.depth: from shallower copies of a deep step)."""
     dtype = compute_dtype(graph)
-    widening = liveness.cpu_widening(graph) if target.widens(mesh, hw) else 1.0
+    widening = liveness.cpu_widening(graph) if targets.widens(mesh, hw) else 1.0
 
     def run(name, p):
         if progress is not None:
@@ -370,7 +357,7 @@ def select_measured(traced: TracedStep, graph: Graph, plan: Plan, mesh_shape: Me
                               deadline=deadline,
                               donated=donated_inputs(traced, donate_argnums))[0]
 
-    mesh = device_mesh if device_mesh is not None else cpu_mesh(mesh_shape)
+    mesh = device_mesh if device_mesh is not None else targets.cpu_mesh(mesh_shape)
     complete = completer(graph, traced, mesh_shape, hw, options,
                          deadline if completion_s is None else completion_s,
                          device_mesh=device_mesh, device_order=device_order,
@@ -419,10 +406,10 @@ def choose_measured(fn, args: Sequence, mesh, hw: HardwareProfile, options: Sear
         return choice
     real = isinstance(mesh, jax.sharding.Mesh)
     shape = MeshShape.of(mesh) if real else choice.intra.mesh
-    devices = mesh if real else cpu_mesh(shape)
+    devices = mesh if real else targets.cpu_mesh(shape)
     graph = choice.intra_graph
     dtype = compute_dtype(graph)
-    widening = liveness.cpu_widening(graph) if target.widens(devices, hw) else 1.0
+    widening = liveness.cpu_widening(graph) if targets.widens(devices, hw) else 1.0
     intra = measure(graph, traced, choice.intra, devices, hw, "intra-op", donate_argnums, dtype,
                     widening)
     try:

@@ -37,3 +37,22 @@ def mesh8():
 @pytest.fixture
 def mesh2x4():
     return auto_mesh((2, 4), ("data", "model"))
+
+
+def tpu_mesh(profile: str, shape, names):
+    """Compile-only TPU devices of `profile`'s slice in a mesh of `shape` (the real TPU
+    compiler, deviceless: programs compile, nothing runs); the test is skipped without libtpu
+    (`pip install -e ".[dev,tpu]"`, as `make test` installs)."""
+    from shardplan.analysis import targets
+    from shardplan.cost.hardware import get_profile
+    from shardplan.strategies.spec import MeshShape
+
+    if targets.libtpu_version() is None:
+        pytest.skip("libtpu is not installed (the TPU compiler): pip install -e '.[dev,tpu]'")
+    return targets.tpu_mesh(get_profile(profile), MeshShape(tuple(names), tuple(shape)))
+
+
+@pytest.fixture(scope="session")
+def tpu_v5e_2x4():
+    """A 2x4 (data, model) mesh of compile-only TPU v5e chips: the v5e:2x4 slice."""
+    return tpu_mesh("tpu-v5e", (2, 4), ("data", "model"))

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from shardplan import depth, measure, models
-from shardplan.analysis import target
+from shardplan.analysis import targets
 from shardplan.analysis.price import KindCost, PricedStep
 from shardplan.cost.hardware import get_profile
 from shardplan.intra import liveness
@@ -44,14 +44,14 @@ def test_extrapolated_candidates_agree_with_the_full_compile(devices):
     options = DEFAULTS.replace(measure=False, time_limit=60)
     plan, graph, _ = plan_step(traced, SHAPE, HW, options)
     assert depth.layer_period(graph) == (layers, 1)
-    mesh = measure.cpu_mesh(SHAPE)
+    mesh = targets.cpu_mesh(SHAPE)
     compile_one = depth.compiler(graph, traced, _shallow(layers), mesh, HW, traced.state_argnums)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         experts = measure.expert_plans(graph, plan, complete=measure.completer(
             graph, traced, SHAPE, HW, options, Deadline(60)))
     dtype = measure.compute_dtype(graph)
-    widening = liveness.cpu_widening(graph) if target.widens(mesh, HW) else 1.0
+    widening = liveness.cpu_widening(graph) if targets.widens(mesh, HW) else 1.0
     for name, p in {"searched": plan, "fsdp": experts["fsdp"],
                     "two_d": experts["two_d"]}.items():
         got = compile_one(name, p)
@@ -76,7 +76,7 @@ def test_a_plan_of_another_step_is_compiled_in_full(devices):
     plan, graph, _ = plan_step(traced, SHAPE, HW, DEFAULTS.replace(measure=False,
                                                                    time_limit=30))
     wrong = _shallow(6, hidden=128)
-    got = depth.compiler(graph, traced, wrong, measure.cpu_mesh(SHAPE), HW,
+    got = depth.compiler(graph, traced, wrong, targets.cpu_mesh(SHAPE), HW,
                          traced.state_argnums)("searched", plan)
     assert got.extrapolated == "" and got.priced is not None
 

@@ -6,6 +6,7 @@ import pytest
 
 import shardplan
 from shardplan import measure
+from shardplan.analysis import targets
 from shardplan.cost.hardware import get_profile
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
@@ -89,7 +90,7 @@ def test_written_fsdp_gathers_weights_instead_of_splitting_activations(mesh2x4):
     mesh = MeshShape(("devices",), (8,))
     plan, graph, _ = plan_step(traced, mesh, A100)
     complete = measure.completer(graph, traced, mesh, A100, SearchOptions(), Deadline(60))
-    devices = measure.cpu_mesh(mesh)
+    devices = targets.cpu_mesh(mesh)
     sent = {}
     for how, c in (("propagated", None), ("written", complete)):
         fsdp = measure.expert_plans(graph, plan, complete=c)["fsdp"]

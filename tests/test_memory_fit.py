@@ -13,7 +13,7 @@ import pytest
 
 import shardplan
 from shardplan import fit, measure, replan
-from shardplan.analysis import hlo, target
+from shardplan.analysis import hlo, targets
 from shardplan.cost.hardware import get_profile
 from shardplan.intra import liveness
 from shardplan.ir.lift import lift
@@ -138,10 +138,10 @@ def test_compiled_peaks_on_cpu_count_the_temporaries_as_the_target_holds_them(me
     stats = hlo.ProgramStats((), 0.0, 0.0, 0.0, argument_bytes=100, output_bytes=60,
                              temp_bytes=1000, alias_bytes=50, peak_bytes=1110)
     gpu = get_profile("a100-80gb")
-    assert target.widens(mesh2x4, gpu) and not target.widens(mesh2x4, get_profile("cpu"))
-    assert target.on_target(stats, mesh2x4, gpu, 0.6).peak_bytes == 100 + 60 - 50 + 600
-    assert target.on_target(stats, mesh2x4, get_profile("cpu"), 0.6) is stats
-    assert target.on_target(stats, mesh2x4, gpu, 1.0) is stats
+    assert targets.widens(mesh2x4, gpu) and not targets.widens(mesh2x4, get_profile("cpu"))
+    assert targets.on_target(stats, mesh2x4, gpu, 0.6).peak_bytes == 100 + 60 - 50 + 600
+    assert targets.on_target(stats, mesh2x4, get_profile("cpu"), 0.6) is stats
+    assert targets.on_target(stats, mesh2x4, gpu, 1.0) is stats
 
 
 def test_the_compiled_check_compiles_the_donation_the_step_runs_with(mesh2x4):
