@@ -61,11 +61,22 @@ class ProgramStats:
     widened_contraction_bytes: float = 0.0
     """Of contraction_bytes, the f32 buffers that hold 16-bit floats (XLA:CPU computes bf16
     dots in f32: hlo_bytes.contraction_traffic)."""
+    platform: str = "cpu"
+    """The platform of the devices the program was compiled for ("cpu", "tpu", "gpu")."""
+    optimal_seconds: float = 0.0
+    """The TPU compiler's own roofline of the program (`cost_analysis()["optimal_seconds"]`;
+    0.0 where the compiler gives none, as XLA:CPU): a sum over the top-level instructions of
+    max(flops / peak, HBM bytes / HBM bandwidth), nothing overlapped, a collective charged
+    the HBM bytes it reads and writes (not its ICI time, whatever its group), a while body
+    counted once (test_analysis_tpu.py::test_optimal_seconds_is_a_sum_of_rooflines)."""
 
     def formed(self) -> ProgramStats:
         """The program as a GPU or TPU compiler would run it: every "all-reduce, keep a
         slice" a reduce-scatter, bf16 values sent as bf16 (CollectiveOp.formed), and its
-        bf16 dots reading and writing 16-bit values (widened_contraction_bytes halved)."""
+        bf16 dots reading and writing 16-bit values (widened_contraction_bytes halved).
+        A program such a compiler compiled is already formed: returned as it is."""
+        if self.platform != "cpu":
+            return self
         ops = tuple(f for c in self.collectives for f in c.formed())
         return dataclasses.replace(
             self, collectives=ops, widened_contraction_bytes=0.0,
@@ -102,27 +113,30 @@ class ProgramStats:
         return "\n".join(lines)
 
 
-def _cost_numbers(cost: Any) -> tuple[float, float, float]:
-    """(flops, transcendentals, bytes accessed) from cost_analysis(): a dict, a list of
-    dicts (one per HLO module, older jax), or None."""
+def _cost_numbers(cost: Any, keys=("flops", "transcendentals", "bytes accessed")
+                  ) -> tuple[float, ...]:
+    """(flops, transcendentals, bytes accessed), or the `keys` asked for, from
+    cost_analysis(): a dict, a list of dicts (one per HLO module, older jax), or None."""
     dicts = [cost] if isinstance(cost, dict) else list(cost or [])
-    keys = ("flops", "transcendentals", "bytes accessed")
     return tuple(sum(float(d.get(k) or 0.0) for d in dicts) for k in keys)
 
 
-def _device_assignment(compiled: Any, num_devices: int) -> list[int] | None:
-    """Device ids in the program's device-assignment order (HLO id -> jax.Device.id)."""
+def _devices(compiled: Any, num_devices: int) -> list | None:
+    """The program's devices in device-assignment order (HLO id -> jax.Device)."""
     runtime = getattr(compiled, "runtime_executable", None)
-    devices = getattr(runtime() if runtime else None, "local_devices", list)()
+    try:
+        devices = getattr(runtime() if runtime else None, "local_devices", list)()
+    except Exception:  # noqa: BLE001 - compile-only (TPU topology) programs have no runtime
+        devices = []
     if len(devices) == num_devices:
-        return [d.id for d in devices]
+        return list(devices)
     for sharding in jax.tree_util.tree_leaves(
         (compiled.input_shardings, compiled.output_shardings)
     ):
         mesh = getattr(sharding, "mesh", None)
         devices = getattr(mesh, "devices", None)
         if devices is not None and devices.size == num_devices:
-            return [d.id for d in devices.flat]
+            return list(devices.flat)
     return None
 
 
@@ -134,10 +148,13 @@ def analyze(compiled: Any) -> ProgramStats:
                          "jax.jit(f).lower(*args).compile()")
     parts, reps = hlo_parse.header_counts(text.split("\n", 1)[0])
     n = (parts or 1) * (reps or 1)
+    devices = _devices(compiled, n)
     collectives = parse_collectives(
-        text, num_devices=n, device_assignment=_device_assignment(compiled, n)
+        text, num_devices=n, device_assignment=None if devices is None else [d.id for d in devices]
     )
-    flops, trans, accessed = _cost_numbers(compiled.cost_analysis())
+    cost = compiled.cost_analysis()
+    flops, trans, accessed = _cost_numbers(cost)
+    (optimal,) = _cost_numbers(cost, ("optimal_seconds",))
     extra = hlo_flops.loop_extra_flops(text)
     mem = compiled.memory_analysis()
     traffic, widened = hlo_bytes.contraction_traffic(text)
@@ -154,5 +171,6 @@ def analyze(compiled: Any) -> ProgramStats:
         generated_code_bytes=field("generated_code_size_in_bytes"),
         xla_peak_bytes=field("peak_memory_in_bytes"), num_devices=n, loop_flops=extra,
         contraction_bytes=traffic, widened_contraction_bytes=widened,
-        io_bytes=hlo_bytes.io_bytes(text),
+        io_bytes=hlo_bytes.io_bytes(text), optimal_seconds=optimal,
+        platform=devices[0].platform if devices else "cpu",
     )

@@ -28,10 +28,9 @@ import dataclasses
 import functools
 import re
 
-from shardplan.analysis import hlo_parse, hlo_uses
+from shardplan.analysis import hlo_loops, hlo_parse, hlo_uses
 
 CONTRACTIONS = frozenset({"dot", "convolution"})
-_TRIPS = re.compile(r'known_trip_count"?\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
 @functools.lru_cache(maxsize=4)
@@ -68,10 +67,10 @@ def contraction_traffic(text: str) -> tuple[float, float]:
         total = widened = 0.0
         for i in instrs:
             if i.opcode == "while":
-                m = _TRIPS.search(i.attrs.get("backend_config", ""))
+                trips = hlo_loops.trip_count(module, i, instrs)
                 body = i.attrs.get("body", "").lstrip("%")
                 if body not in seen:
-                    t, w = walk(body, times * (int(m.group(1)) if m else 1), seen | {body})
+                    t, w = walk(body, times * (trips or 1), seen | {body})
                     total, widened = total + t, widened + w
                 continue
             if i.opcode in ("call", "conditional"):
@@ -106,35 +105,75 @@ def contraction_traffic(text: str) -> tuple[float, float]:
 class _FusedReads:
     """What the contractions of a fused computation read and write: its parameters they read
     (index -> whether every path narrows it to 16 bits first, a convert fused into the dot),
-    and, where something else is fused after them, their own results (shape, whether every
-    reader narrows it)."""
+    the bytes of those read only through slices (index -> bytes), and, where something else
+    is fused after them, their own results (shape, whether every reader narrows it)."""
 
     params: dict[int, bool]
     results: tuple[tuple[str, bool], ...] | None  # None: a contraction is the fusion's root
+    sliced: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+_SLICES = frozenset({"dynamic-slice", "slice"})
+
+
+def _sliced_params(module: hlo_parse.Module, comp: str) -> dict[int, int]:
+    """Parameter index -> bytes read, for the parameters of fused computation `comp` that
+    are read only through slices (a scan's layer taken from the stacked weights)."""
+    body = module.computations.get(comp, [])
+    users = hlo_uses.Users(body)
+    out = {}
+    for i in body:
+        if i.opcode != "parameter":
+            continue
+        readers = users.direct(i.name)
+        if readers and all(r.opcode in _SLICES and _operand_names(r.operands)[0] == i.name
+                           for r in readers):
+            out[int(i.operands)] = sum(hlo_parse.nbytes(hlo_parse.arrays(r.shape))
+                                       for r in readers)
+    return out
+
+
+def _cap(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _fused_reads(module: hlo_parse.Module, comp: str) -> _FusedReads:
     """_FusedReads of fused computation `comp`: its contractions' operands followed back to
-    its parameters, through whatever is fused before them."""
+    its parameters, through whatever is fused before them. A parameter read through a slice
+    (fused here or in a fusion nested here, as the TPU compiler fuses a scan's weight slice
+    into the dot: test_analysis_tpu.py::test_scan_collective_counted_per_trip) counts the
+    slice's bytes."""
     body = module.computations.get(comp, [])
     instrs = {i.name: i for i in body}
     users = hlo_uses.Users(body)
     dots = [i for i in body if i.opcode in CONTRACTIONS]
-    stack = [(o, False) for i in dots for o in _operand_names(i.operands)]
-    seen: set[tuple[str, bool]] = set()
+    stack = [(o, False, None) for i in dots for o in _operand_names(i.operands)]
+    seen: set[tuple[str, bool, int | None]] = set()
     params: dict[int, bool] = {}
+    caps: dict[int, int | None] = {}
     while stack:
-        name, narrowed = stack.pop()
-        if (name, narrowed) in seen or name not in instrs:
+        name, narrowed, cap = item = stack.pop()
+        if item in seen or name not in instrs:
             continue
-        seen.add((name, narrowed))
+        seen.add(item)
         i = instrs[name]
         if i.opcode == "parameter":
             k = int(i.operands)
             params[k] = params.get(k, True) and narrowed
+            caps[k] = None if k in caps and (caps[k] is None or cap is None) else max(
+                caps.get(k) or 0, cap) if cap is not None else None
             continue
         narrowed = narrowed or (i.opcode == "convert" and hlo_uses.narrow_type(i.shape))
-        stack.extend((o, narrowed) for o in _operand_names(i.operands))
+        operands = _operand_names(i.operands)
+        if i.opcode in _SLICES:
+            stack.append((operands[0], narrowed,
+                          _cap(cap, hlo_parse.nbytes(hlo_parse.arrays(i.shape)))))
+            continue
+        nested = {}
+        if i.opcode == "fusion":
+            called = i.attrs.get("calls", "").lstrip("%")
+            nested = _sliced_params(module, called)
+        stack.extend((o, narrowed, _cap(cap, nested.get(k))) for k, o in enumerate(operands))
     root = body[-1] if body else None
     while root is not None and root.opcode in hlo_uses.RELAYOUTS:
         root = instrs.get(_operand_names(root.operands)[0])
@@ -142,7 +181,7 @@ def _fused_reads(module: hlo_parse.Module, comp: str) -> _FusedReads:
     if root is None or root.opcode not in CONTRACTIONS:
         results = tuple((d.shape, bool(users.direct(d.name)) and all(
             hlo_uses.to_narrow(module, r, d.name) for r in users.direct(d.name))) for d in dots)
-    return _FusedReads(params, results)
+    return _FusedReads(params, results, {k: c for k, c in caps.items() if c is not None})
 
 
 def _fusion_traffic(module, fusion, reads: _FusedReads, shapes, users) -> tuple[float, float]:
@@ -162,9 +201,11 @@ def _fusion_traffic(module, fusion, reads: _FusedReads, shapes, users) -> tuple[
         if k not in reads.params:
             continue
         shape = shapes.get(o, "")
-        moved += hlo_parse.nbytes(hlo_parse.arrays(shape))
+        full = hlo_parse.nbytes(hlo_parse.arrays(shape))
+        read = min(reads.sliced.get(k, full), full)
+        moved += read
         if reads.params[k] or hlo_uses.from_narrow(module, users.get(o), shapes):
-            widened += _f32_bytes(shape)
+            widened += _f32_bytes(shape) * (read / full if full else 1.0)
     return moved, widened
 
 

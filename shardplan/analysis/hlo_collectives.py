@@ -17,13 +17,14 @@ HLO ids are positions in the program's device assignment; `parse_collectives` ma
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from shardplan.analysis import hlo_parse, hlo_uses
+from shardplan.analysis import hlo_loops, hlo_parse, hlo_uses
 from shardplan.strategies.spec import MeshShape
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -121,13 +122,6 @@ def called(instr: hlo_parse.Instr) -> Iterator[str]:
         yield from re.findall(r"%?([^\s{},%]+)", instr.attrs.get(key, ""))
 
 
-def trip_count(instr: hlo_parse.Instr) -> int | None:
-    """The while loop's trip count when XLA knows it (backend_config, JSON maybe escaped)."""
-    config = instr.attrs.get("backend_config", "").replace("\\", "")
-    m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', config)
-    return int(m.group(1)) if m else None
-
-
 @dataclasses.dataclass(frozen=True)
 class _Program:
     """A parsed module and how its HLO device ids map to devices."""
@@ -175,10 +169,22 @@ def _operand_bytes(prog: _Program, instr: hlo_parse.Instr) -> int | None:
     return total
 
 
-def _collective(prog: _Program, instr: hlo_parse.Instr, kind: str, result: str, ctx,
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """Where the walk is: executions per run, inside a loop, trip counts known, and the
+    fusion whose computation is being walked (None outside fusions)."""
+
+    count: int
+    in_loop: bool
+    known: bool
+    fusion: hlo_parse.Instr | None = None
+    caller: str = ""
+    """The computation that holds `fusion`."""
+
+
+def _collective(prog: _Program, instr: hlo_parse.Instr, kind: str, result: str, site: _Site,
                 users) -> CollectiveOp:
-    """One collective: its groups (as devices), per-device bytes and executions (`ctx`)."""
-    count, in_loop, known = ctx
+    """One collective: its groups (as devices), per-device bytes and executions (`site`)."""
     arrays = hlo_parse.arrays(result)
     if kind == "collective-permute":
         pairs = hlo_parse.permute_pairs(instr.attrs, prog.reps, prog.parts, prog.flat)
@@ -198,24 +204,49 @@ def _collective(prog: _Program, instr: hlo_parse.Instr, kind: str, result: str, 
         nbytes = operands
     else:
         nbytes = result_bytes * (n if kind == "reduce-scatter" else 1)
-    meta = re.search(r'op_name="([^"]*)"', instr.attrs.get("metadata", ""))
+    meta = re.search(r'op_name="([^"]*)"', instr.attrs.get("metadata", "")
+                     or (site.fusion.attrs.get("metadata", "") if site.fusion else ""))
     module = prog.module
     sliced = hlo_uses.sliced_bytes(result, users, n, module) if kind == "all-reduce" else 0
     widened = hlo_uses.widened_bytes(instr, arrays, users, module)
+    shapes = tuple(d for d, _ in arrays)
+    if site.fusion is not None and kind == "all-reduce" and 0 < sliced == nbytes:
+        # The TPU compiler's reduce-scatter: a custom fusion of an all-reduce whose every
+        # result is sliced by the device index, run as one (its collective_algorithm_config
+        # names an AllReduceScatter emitter): test_analysis_tpu.py::test_reduce_scatter_*.
+        kind, sliced = "reduce-scatter", 0
+        fused = [d for d, _ in hlo_parse.arrays(site.fusion.shape)]
+        scattered = _scattered(shapes, n)
+        shapes = tuple(fused if sorted(map(math.prod, fused)) == sorted(
+            map(math.prod, scattered)) else scattered)
     return CollectiveOp(
-        kind=kind, shapes=tuple(d for d, _ in arrays),
+        kind=kind, shapes=shapes,
         dtypes=tuple(hlo_parse.dtype_of(t)[0] for _, t in arrays), nbytes=int(nbytes),
         groups=tuple(tuple(g) for g in groups), group_size=n,
-        bytes_sent=_ring_bytes(kind, nbytes, n, moves), in_loop=in_loop, name=instr.name,
-        count=count, count_known=known, op_name=meta.group(1) if meta else "",
+        bytes_sent=_ring_bytes(kind, nbytes, n, moves), in_loop=site.in_loop, name=instr.name,
+        count=site.count, count_known=site.known, op_name=meta.group(1) if meta else "",
         sliced_nbytes=sliced, widened_nbytes=widened,
     )
 
 
-def _walk(prog: _Program, comp: str, ctx, stack: tuple[str, ...],
-          out: list[CollectiveOp]) -> None:
-    """Append the collectives of computation `comp` and of what it calls to `out`; `ctx` is
-    (executions per run, inside a loop, trip counts known)."""
+def _scattered(shapes: Sequence[tuple[int, ...]], n: int) -> list[tuple[int, ...]]:
+    """Each shape with its first dimension that n divides divided by n (a scatter's result)."""
+    out = []
+    for d in shapes:
+        k = next((i for i, x in enumerate(d) if x % n == 0), None)
+        out.append(d if k is None else d[:k] + (d[k] // n,) + d[k + 1:])
+    return out
+
+
+def _walk(prog: _Program, comp: str, site: _Site, stack: tuple[str, ...],
+          out: list[CollectiveOp], seen: set) -> None:
+    """Append the collectives of computation `comp` and of what it calls to `out`.
+
+    The TPU compiler runs an asynchronous collective as a chain of fusions (start,
+    continuations, done), each holding a copy of the collective with the same channel_id:
+    within the computation that holds the chain, a fused collective is counted once per
+    channel_id (`seen`; test_analysis_tpu.py::test_async_collective_fusion_counted_once).
+    """
     if comp in stack:
         raise ValueError(f"HLO computation {comp!r} calls itself; cannot count collectives")
     instrs = prog.module.computations.get(comp)
@@ -229,22 +260,33 @@ def _walk(prog: _Program, comp: str, ctx, stack: tuple[str, ...],
     users = hlo_uses.Users(instrs)
     for instr in instrs:
         op = instr.opcode
-        if op in KINDS:
-            out.append(_collective(prog, instr, op, instr.shape, ctx, users.of(instr.name)))
-        elif op.endswith("-start") and op[:-6] in KINDS:
+        kind = op if op in KINDS else op[:-6] if op.endswith("-start") and op[:-6] in KINDS \
+            else None
+        channel = instr.attrs.get("channel_id")
+        if kind and site.fusion is not None and channel is not None:
+            key = (site.caller, site.count, channel)
+            if key in seen:
+                kind = None
+            seen.add(key)
+        if kind == op:
+            out.append(_collective(prog, instr, op, instr.shape, site, users.of(instr.name)))
+        elif kind:
             end = done.get(instr.name)
-            out.append(_collective(prog, instr, op[:-6], end.shape if end else instr.shape, ctx,
+            out.append(_collective(prog, instr, kind, end.shape if end else instr.shape, site,
                                    users.of(end.name if end else instr.name)))
         if op in ("async-update", "async-done") or op.endswith("-done"):
             continue  # the -start already walked what it runs
-        count, _, known = ctx
         if op == "while":
-            trips = trip_count(instr)
-            ctx_in = (count * (trips or 1), True, known and trips is not None)
+            trips = hlo_loops.trip_count(prog.module, instr, instrs)
+            inner = dataclasses.replace(site, count=site.count * (trips or 1), in_loop=True,
+                                        known=site.known and trips is not None)
+        elif op == "fusion":
+            inner = dataclasses.replace(site, fusion=instr,
+                                        caller=site.caller if site.fusion else comp)
         else:
-            ctx_in = ctx
+            inner = site
         for callee in called(instr):
-            _walk(prog, callee, ctx_in, stack + (comp,), out)
+            _walk(prog, callee, inner, stack + (comp,), out, seen)
 
 
 def parse_collectives(
@@ -264,7 +306,7 @@ def parse_collectives(
     """
     prog = _program(hlo_text, num_devices, device_assignment)
     out: list[CollectiveOp] = []
-    _walk(prog, prog.module.entry, (1, False, True), (), out)
+    _walk(prog, prog.module.entry, _Site(1, False, True), (), out, set())
     return tuple(out)
 
 

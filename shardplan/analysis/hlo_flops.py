@@ -14,9 +14,12 @@ cost_analysis()'s flops (shardplan.analysis.hlo.analyze does).
 from __future__ import annotations
 
 import math
+import re
 
-from shardplan.analysis import hlo_parse
-from shardplan.analysis.hlo_collectives import called, trip_count
+import numpy as np
+
+from shardplan.analysis import hlo_loops, hlo_parse
+from shardplan.analysis.hlo_collectives import called
 
 # One flop per result element (HloCostAnalysis: elementwise arithmetic; transcendentals such
 # as exp, log, tanh are counted apart, not as flops).
@@ -51,16 +54,68 @@ def instr_flops(instr: hlo_parse.Instr, shapes: dict[str, str]) -> float:
         k = math.prod(dims[i] for i in _dims(instr.attrs.get("lhs_contracting_dims", "{}")))
         return 2.0 * _elements(instr.shape) * k
     if op == "convolution":
-        rhs = hlo_parse.arrays(shapes.get(_operand_names(instr)[1], ""))
-        kernel = math.prod(rhs[0][0]) if rhs else 1
-        out_features = max(hlo_parse.arrays(instr.shape)[0][0][-1:] or [1])
-        return 2.0 * _elements(instr.shape) * kernel / max(out_features, 1)
+        return _convolution_flops(instr, shapes)
     if op in _ELEMENTWISE:
         return float(_elements(instr.shape))
     if op in ("reduce", "reduce-window"):
         first = _operand_names(instr)[0]
         return float(_elements(shapes.get(first, "")))
     return 0.0
+
+
+def _window(instr: hlo_parse.Instr, spatial: int) -> list[dict[str, int | tuple[int, int]]]:
+    """Per spatial dimension: size, stride, padding (low, high), lhs and rhs dilation, from
+    `window={size=3x3 stride=2x2 pad=0_1x0_1 lhs_dilate=... rhs_dilate=...}`."""
+    if not spatial:
+        return []
+    fields = dict(f.split("=", 1) for f in instr.attrs.get("window", "{}").strip("{}").split()
+                  if "=" in f)
+
+    def per_dim(key: str, default: str) -> list[str]:
+        return fields.get(key, "x".join([default] * spatial)).split("x")
+
+    out = []
+    for size, stride, pad, lhs, rhs in zip(per_dim("size", "1"), per_dim("stride", "1"),
+                                           per_dim("pad", "0_0"), per_dim("lhs_dilate", "1"),
+                                           per_dim("rhs_dilate", "1")):
+        lo, hi = (int(x) for x in pad.split("_"))
+        out.append({"size": int(size), "stride": int(stride), "pad": (lo, hi),
+                    "lhs": int(lhs), "rhs": int(rhs)})
+    return out
+
+
+def _valid_taps(n_in: int, n_out: int, w: dict) -> int:
+    """(output position, kernel tap) pairs of one spatial dimension that read a real input
+    element: not padding, not a hole of the input's dilation (HloCostAnalysis counts so)."""
+    extent = (n_in - 1) * w["lhs"] + 1
+    starts = np.arange(n_out, dtype=np.int64) * w["stride"] - w["pad"][0]
+    taps = 0
+    for k in range(w["size"]):
+        p = starts + k * w["rhs"]
+        taps += int(np.count_nonzero((p >= 0) & (p < extent) & (p % w["lhs"] == 0)))
+    return taps
+
+
+def _convolution_flops(instr: hlo_parse.Instr, shapes: dict[str, str]) -> float:
+    """2 x output batch x output features x input features per group x valid taps, read
+    through `dim_labels` (`b01f_01io->b01f`). The TPU compiler writes every dot as a
+    convolution, a batched dot as a base-dilated one (`0bf_0io->0bf`, window
+    `size=4 stride=3 lhs_dilate=4`: one real tap per output position);
+    test_analysis_tpu.py::test_flops_match_the_analytic_count."""
+    labels = re.fullmatch(r"(\w+)_(\w+)->(\w+)", instr.attrs.get("dim_labels", ""))
+    lhs_name, rhs_name = _operand_names(instr)[:2]
+    lhs = hlo_parse.arrays(shapes.get(lhs_name, ""))
+    rhs = hlo_parse.arrays(shapes.get(rhs_name, ""))
+    out = hlo_parse.arrays(instr.shape)
+    if not (labels and lhs and rhs and out):
+        return 0.0
+    lhs_l, rhs_l, out_l = labels.groups()
+    lhs_d, rhs_d, out_d = lhs[0][0], rhs[0][0], out[0][0]
+    spatial = sorted(c for c in out_l if c.isdigit())
+    windows = _window(instr, len(spatial))
+    taps = math.prod(_valid_taps(lhs_d[lhs_l.index(c)], out_d[out_l.index(c)], w)
+                     for c, w in zip(spatial, windows))
+    return 2.0 * out_d[out_l.index("b")] * out_d[out_l.index("f")] * rhs_d[rhs_l.index("i")] * taps
 
 
 class _Counter:
@@ -76,12 +131,14 @@ class _Counter:
         if comp in stack:
             raise ValueError(f"HLO computation {comp!r} calls itself; cannot count flops")
         total = 0.0
-        for instr in self.module.computations.get(comp, ()):
+        instrs = self.module.computations.get(comp, ())
+        for instr in instrs:
             total += instr_flops(instr, self.shapes)
             if instr.opcode in ("reduce", "reduce-window", "scatter", "select-and-scatter",
                                 "sort", "all-reduce", "reduce-scatter"):
                 continue  # their called computations are per-element reducers, counted above
-            trips = trip_count(instr) if instr.opcode == "while" and with_trips else None
+            trips = (hlo_loops.trip_count(self.module, instr, instrs)
+                     if instr.opcode == "while" and with_trips else None)
             inner = sum(self.flops(c, with_trips, stack + (comp,)) for c in called(instr))
             total += inner * (trips or 1)
         self.memo[key] = total
