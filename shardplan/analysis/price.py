@@ -20,7 +20,8 @@ programs look dearer than they run on the accelerator, and not alike for every p
 `analysis/hlo.py` recognises both in the partitioned HLO, and for an accelerator profile
 (`HardwareProfile.forms_reduce_scatter`) the program is priced as the accelerator would run
 it (`ProgramStats.formed`), for the plan and the baselines alike. The `cpu` profile prices
-the CPU program as compiled.
+the CPU program as compiled, and a program the TPU compiler compiled is priced as compiled
+(it already sends bf16 and runs its reduce-scatters: tests/test_analysis_tpu.py).
 """
 
 from __future__ import annotations
