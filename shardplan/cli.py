@@ -27,6 +27,7 @@ import jax
 import yaml
 
 from shardplan import bench, calibrate
+from shardplan.analysis import targets
 from shardplan.cli_render import (
     Phases,
     consoles,
@@ -214,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _exit_code(e: Exception) -> tuple[int, str]:
     """(exit code, message) of an exception that ended a command."""
-    if isinstance(e, (ConfigError, PlanFileError)):
+    if isinstance(e, (ConfigError, PlanFileError, targets.TargetError)):
         return EXIT_USAGE, f"shardplan: error: {e}"
     if isinstance(e, Infeasible):
         return EXIT_INFEASIBLE, f"shardplan: {e}"

@@ -16,7 +16,7 @@ import shardplan
 from shardplan import baselines as bl
 from shardplan import depth, fingerprint, report
 from shardplan import hints as hints_mod
-from shardplan.analysis.targets import cpu_mesh
+from shardplan.analysis import targets
 from shardplan.cli_render import Phases
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError
 from shardplan.ir.lift import LiftOptions, lift
@@ -68,9 +68,17 @@ def search_options(config: Config, work: Workload, notes: list[str]):
                      "the shardplan command does not plan pipeline stages; "
                      "shardplan.auto(step, pipeline='auto') does, on devices")
     n = config.cluster.mesh.num_devices
-    measure = options.measure and n <= MAX_COMPILE_DEVICES and len(jax.devices("cpu")) >= n
+    measure = options.measure and can_compile(config.profile(), n)
     return options.replace(pipeline=False, num_micro_batches=None, measure=measure,
                            state_argnums=work.state_argnums, batch_argnums=work.batch_argnums)
+
+
+def can_compile(hw, n: int) -> bool:
+    """Whether programs for `n` devices of `hw` can be compiled here: on compile-only devices
+    of a TPU slice (any size), or on up to MAX_COMPILE_DEVICES CPU devices JAX runs."""
+    if not targets.why_not_tpu(hw) and hw.backend == "tpu":
+        return True
+    return n <= MAX_COMPILE_DEVICES and len(jax.devices("cpu")) >= n
 
 
 def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]):
@@ -167,7 +175,7 @@ def measured(config: Config, work: Workload, plan, options, phases: Phases):
     start = time.perf_counter()
     options = options.replace(hints=hints_mod.with_boxes(options.hints, work.args))
     traced, graph = _traced(work, options)
-    mesh = cpu_mesh(plan.mesh)
+    mesh, _ = targets.compile_mesh(hw, plan.mesh)
     shallow, repeats = None, depth.layer_period(graph)
     if _layers(config, work) is not None and repeats is not None:
         a, b = depth.cut_depths(repeats[1])
@@ -261,17 +269,19 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
 
 def compile_and_price(config: Config, work: Workload, plan, phases: Phases, notes: list[str],
                       want_baselines: bool, verify: bool = False):
-    """Compile the plan (and the baselines) on CPU devices, price each: (plan stats, priced
+    """Compile the plan (and the baselines) where the target's compiler runs (compile-only TPU
+    devices, or CPU devices standing in: analysis.targets), price each: (plan stats, priced
     plan, {baseline: priced or why not}, compile seconds)."""
     hw = config.profile()
     n = plan.mesh.num_devices
     have = len(jax.devices("cpu"))
-    if have < n:
+    if have < n and targets.why_not_tpu(hw):
         notes.append(f"not compiled: JAX runs {have} CPU devices and the mesh needs {n} (it was "
                      "started before shardplan could ask for more)")
         return None, None, {}, 0.0
     start = time.perf_counter()
-    mesh = cpu_mesh(plan.mesh)
+    mesh, compiler = targets.compile_mesh(hw, plan.mesh)
+    notes.append(f"compiled by {compiler.describe()}")
     stats, priced = _compile_plan(work, plan, mesh, hw, phases, notes, need_stats=verify)
     results = (_compile_baselines(config, work, plan, mesh, hw, phases, notes)
                if want_baselines else {})
@@ -287,7 +297,7 @@ def run_search(config: Config, *, verify: bool = False, phases: Phases):
     plan, tried = plan_config(config, work, phases, notes)
     search_s = time.perf_counter() - start
     n = plan.mesh.num_devices
-    compile_ok = n <= MAX_COMPILE_DEVICES
+    compile_ok = n <= MAX_COMPILE_DEVICES or can_compile(config.profile(), n)
     stats = priced = None
     baselines: dict = {}
     compile_s = 0.0

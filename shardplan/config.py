@@ -139,8 +139,8 @@ class ClusterSection(_Section):
     """Where the step runs: a hardware profile, a mesh and the memory per device."""
 
     hardware: str
-    """A profile of shardplan.cost.hardware.PROFILES (tpu-v4, tpu-v5e, a100-80gb, h100-80gb,
-    cpu) or the path of a YAML file with HardwareProfile's fields (relative to the config)."""
+    """A profile of shardplan.cost.hardware.PROFILES (tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e,
+    a100-80gb, h100-80gb, cpu) or the path of a YAML file with HardwareProfile's fields (relative to the config)."""
     mesh: MeshSection
     """{shape: [2, 4], axes: [data, model]} or {devices: 8}."""
     memory_budget: int | None = None

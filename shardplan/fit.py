@@ -63,14 +63,15 @@ def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
                 "ran out; the estimate is the memory model's")
         return dataclasses.replace(plan, notes=(*plan.notes, note))
     start = time.perf_counter()
-    widening = (liveness.cpu_widening(graph) if targets.widens(device_mesh, hw) else 1.0)
+    mesh, compiler = targets.compile_mesh(hw, mesh_shape, device_mesh)
+    widening = (liveness.cpu_widening(graph) if targets.widens(mesh, hw) else 1.0)
     dtype = measure.compute_dtype(graph)
 
     # compiled with the donation the step will run with (None: the state, as the model counts)
     donate = traced.state_argnums if donate_argnums is None else tuple(donate_argnums)
 
     def run(name, p):
-        return measure.measure(graph, traced, p, device_mesh, hw, name, donate, dtype, widening)
+        return measure.measure(graph, traced, p, mesh, hw, name, donate, dtype, widening)
 
     compile_s = 0.0  # how long a check's compile took: a re-plan leaves time for its own
 
@@ -98,7 +99,7 @@ def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
     kept = fitting[0] if fitting else min(priced, key=lambda c: c.priced.peak_bytes)
     lines = "; ".join(f"{c.name}: estimate {fmt_bytes(c.plan.estimate.peak_bytes)}, compiled "
                       f"{fmt_bytes(c.priced.peak_bytes)}" for c in priced)
-    note = (f"memory checked once compiled (XLA's memory_analysis, "
+    note = (f"memory checked once compiled ({compiler.describe()}: its memory_analysis, "
             f"{time.perf_counter() - start:.1f} s): {lines}{stopped}; kept {kept.name}")
     if not fitting:
         note += f": no plan compiled within {fmt_bytes(budget)} per device, this one needs the least"
@@ -108,5 +109,5 @@ def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
                       f"{fmt_bytes(kept.priced.peak_bytes)} (see plan.notes)", stacklevel=3)
     return dataclasses.replace(kept.plan, estimate=measure.measured_estimate(kept),
                                model_estimate=kept.plan.estimate,
-                               notes=(*kept.plan.notes, note),
+                               notes=(*kept.plan.notes, note), compiled_by=compiler.describe(),
                                search_s=plan.search_s + time.perf_counter() - start)

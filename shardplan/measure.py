@@ -22,6 +22,7 @@ it is read, Megatron splits the activations with its weights).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -177,10 +178,30 @@ def compile_and_price(lowered, mesh, mesh_shape: MeshShape, hw: HardwareProfile,
     """A lowered program compiled by XLA on `mesh` (never run), analysed and priced as `hw`
     runs it, compute at `dtype`'s peak. `widening` (intra.liveness.cpu_widening of the step): on CPU
     devices standing in for a GPU or TPU, the share of the temporaries the target holds."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # donating abstract args warns
-        stats = targets.on_target(hlo.analyze(compile_for_analysis(lowered)), mesh, hw, widening)
+    stats = targets.on_target(analyzed(lowered, mesh), mesh, hw, widening)
     return stats, price(stats, mesh_shape, device_grid(mesh), hw, dtype)
+
+
+# Programs compiled in this process, by their text and devices: a re-plan that comes back to a
+# plan already compiled (or two candidates that lower to one program) is not compiled again,
+# which on the TPU compiler saves minutes (tests/test_measure.py::test_a_program_is_compiled_once).
+_COMPILED: dict[tuple[str, tuple[int, ...], str], hlo.ProgramStats] = {}
+_COMPILED_MAX = 64
+
+
+def analyzed(lowered, mesh) -> hlo.ProgramStats:
+    """hlo.analyze of `lowered` compiled on `mesh`'s devices, once per program and devices."""
+    devices = np.asarray(mesh.devices).flat
+    key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+           tuple(int(d.id) for d in devices), np.asarray(mesh.devices).flat[0].device_kind)
+    if key not in _COMPILED:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # donating abstract args warns
+            stats = hlo.analyze(compile_for_analysis(lowered))
+        if len(_COMPILED) >= _COMPILED_MAX:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        _COMPILED[key] = stats
+    return _COMPILED[key]
 
 
 def lower_plan(graph: Graph, traced: TracedStep, plan: Plan, mesh,
@@ -222,7 +243,8 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
            replan: Callable[[float], Plan] | None = None,
            complete: Callable[[dict[int, ShardSpec]], Plan] | None = None,
            progress: Callable[[str], Any] | None = None,
-           compile_one: Callable[[str, Plan], MeasuredProgram] | None = None
+           compile_one: Callable[[str, Plan], MeasuredProgram] | None = None,
+           compiler: targets.Compiler | None = None
            ) -> tuple[Plan, tuple[MeasuredProgram, ...]]:
     """Compile the searched plan and every expert plan on `mesh`, keep the cheapest priced
     program that fits `memory_budget` (compiled peak bytes per device). The searched plan is
@@ -235,7 +257,8 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
     asked again with the budget scaled by estimate / compiled peak, up to
     replan.RECALIBRATIONS times, and each re-plan is a candidate too. `complete` lays out the expert plans'
     intermediates (expert_plans). `compile_one(name, plan)` compiles and prices a candidate
-    instead of `measure` (shardplan.depth: from shallower copies of a deep step)."""
+    instead of `measure` (shardplan.depth: from shallower copies of a deep step); `compiler`:
+    which compiler `mesh`'s devices stand for (targets.compile_mesh), named in the notes."""
     dtype = compute_dtype(graph)
     widening = liveness.cpu_widening(graph) if targets.widens(mesh, hw) else 1.0
 
@@ -255,14 +278,16 @@ def select(graph: Graph, traced, plan: Plan, mesh, hw: HardwareProfile, *,
         return plan, tuple(candidates)
     best = _cheapest(priced, memory_budget)
     fits = any(c.fits(memory_budget) for c in priced)
-    note = (_note(candidates, hw, memory_budget) + stopped
+    judge = compiler.describe() if compiler is not None else "XLA"
+    note = (_note(candidates, hw, memory_budget, judge) + stopped
             + _kept_note(best, fits, memory_budget) + _widening_note(widening))
     solver = (best.plan.solver if best.name.startswith("searched")
               else f"{best.plan.solver}; searched: {plan.solver}")
     kept = dataclasses.replace(best.plan, estimate=measured_estimate(best),
                                model_estimate=best.plan.estimate,
                                notes=(*plan.notes, note), solver=solver,
-                               search_s=plan.search_s, candidates=tuple(candidates))
+                               search_s=plan.search_s, candidates=tuple(candidates),
+                               compiled_by=judge)
     return kept, tuple(candidates)
 
 
@@ -282,7 +307,7 @@ def _cheapest(priced: list[MeasuredProgram], memory_budget: float | None) -> Mea
 
 
 def _note(candidates: Sequence[MeasuredProgram], hw: HardwareProfile,
-          memory_budget: float | None) -> str:
+          memory_budget: float | None, judge: str = "XLA") -> str:
     """The kept plan's note: every candidate's price (or why it did not compile)."""
     lines = []
     for c in candidates:
@@ -294,7 +319,7 @@ def _note(candidates: Sequence[MeasuredProgram], hw: HardwareProfile,
         how = f" ({c.extrapolated})" if c.extrapolated else ""
         lines.append(f"{c.name} {fmt_seconds(p.total_s)} (compute {fmt_seconds(p.compute_s)}, "
                      f"comm {fmt_seconds(p.comm_s)}), peak {fmt_bytes(p.peak_bytes)}{fit}{how}")
-    return f"measured (compiled by XLA, priced as {hw.name}): " + "; ".join(lines)
+    return f"measured (compiled by {judge}, priced as {hw.name}): " + "; ".join(lines)
 
 
 def _widening_note(widening: float) -> str:
@@ -357,7 +382,7 @@ def select_measured(traced: TracedStep, graph: Graph, plan: Plan, mesh_shape: Me
                               deadline=deadline,
                               donated=donated_inputs(traced, donate_argnums))[0]
 
-    mesh = device_mesh if device_mesh is not None else targets.cpu_mesh(mesh_shape)
+    mesh, compiler = targets.compile_mesh(hw, mesh_shape, device_mesh)
     complete = completer(graph, traced, mesh_shape, hw, options,
                          deadline if completion_s is None else completion_s,
                          device_mesh=device_mesh, device_order=device_order,
@@ -365,7 +390,7 @@ def select_measured(traced: TracedStep, graph: Graph, plan: Plan, mesh_shape: Me
     plan, _ = select(graph, traced, plan, mesh, hw, memory_budget=options.memory_budget,
                      donate_argnums=traced.state_argnums, replan=replan, complete=complete,
                      pinned=pinned_inputs(traced, mesh_shape, options), progress=progress,
-                     compile_one=compile_one)
+                     compile_one=compile_one, compiler=compiler)
     return dataclasses.replace(plan, search_s=time.perf_counter() - (start or time.perf_counter()),
                                device_mesh=device_mesh)
 
@@ -406,7 +431,7 @@ def choose_measured(fn, args: Sequence, mesh, hw: HardwareProfile, options: Sear
         return choice
     real = isinstance(mesh, jax.sharding.Mesh)
     shape = MeshShape.of(mesh) if real else choice.intra.mesh
-    devices = mesh if real else targets.cpu_mesh(shape)
+    devices, compiler = targets.compile_mesh(hw, shape, mesh if real else None)
     graph = choice.intra_graph
     dtype = compute_dtype(graph)
     widening = liveness.cpu_widening(graph) if targets.widens(devices, hw) else 1.0
@@ -424,7 +449,7 @@ def choose_measured(fn, args: Sequence, mesh, hw: HardwareProfile, options: Sear
         return choice
     a, b = intra.priced.total_s, spmd_priced.total_s
     pick_spmd = b < a
-    line = (f"measured (compiled by XLA, priced as {hw.name}): SPMD pipeline {fmt_seconds(b)} "
+    line = (f"measured (compiled by {compiler.describe()}, priced as {hw.name}): SPMD pipeline {fmt_seconds(b)} "
             f"(model {fmt_seconds(choice.spmd_plan.estimate.total_s)}), peak "
             f"{fmt_bytes(spmd_priced.peak_bytes)}; intra-op {fmt_seconds(a)} (model "
             f"{fmt_seconds(choice.intra.estimate.total_s)}), peak "
@@ -436,7 +461,8 @@ def choose_measured(fn, args: Sequence, mesh, hw: HardwareProfile, options: Sear
         base, estimate=Estimate(priced.compute_s, priced.comm_s, priced.peak_bytes,
                                 base.estimate.state_bytes, priced.bytes_sent,
                                 base.estimate.bubble_fraction),
-        model_estimate=base.estimate, notes=(*base.notes, line))
+        model_estimate=base.estimate, notes=(*base.notes, line),
+        compiled_by=compiler.describe())
     return dataclasses.replace(choice, pipelined=pick_spmd, plan=kept,
                                pipeline=None if pick_spmd else choice.pipeline,
                                explanation=choice.explanation + "\n" + line)

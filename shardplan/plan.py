@@ -100,6 +100,10 @@ class Plan:
     """The step's scanned layers are rematerialized (shardplan.ir.remat): the plan is for the
     rewritten step (its value and node ids are that step's), and running or adopting the plan
     rewrites the step the same way."""
+    compiled_by: str = ""
+    """Which compiler judged the plan (shardplan.analysis.targets.Compiler.describe(): the TPU
+    compiler on compile-only devices, or XLA:CPU standing in); "" when no program was compiled
+    and the cost model alone made the estimate."""
     candidates: tuple = ()
     """Every program the measured selection compiled and priced, or why it failed
     (shardplan.measure.MeasuredProgram: name, plan, priced, error); in memory only, not in
@@ -107,8 +111,10 @@ class Plan:
 
     @property
     def estimate_source(self) -> str:
-        """What `estimate` is: 'compiled by XLA' or 'cost model'."""
-        return "compiled by XLA" if self.model_estimate is not None else "cost model"
+        """What `estimate` is: 'compiled by <the compiler>' or 'cost model'."""
+        if self.model_estimate is None:
+            return "cost model"
+        return f"compiled by {self.compiled_by or 'XLA'}"
 
     def fits(self) -> bool | None:
         """Whether `estimate.peak_bytes` is within the memory budget (None: no budget)."""
@@ -186,6 +192,7 @@ class Plan:
             "notes": list(self.notes),
             # only when set: files of plans without it stay as they were
             **({"remat": True} if self.remat else {}),
+            **({"compiled_by": self.compiled_by} if self.compiled_by else {}),
         }
 
     @classmethod
@@ -412,7 +419,8 @@ class _PlanReader:
             num_micro_batches=self.get(d, "num_micro_batches", int, "plan", 1),
             schedule=self.get(d, "schedule", str, "plan", ""), pipeline_kind=kind,
             notes=tuple(self.items(d, "notes", str, "plan", ())), fingerprint=fp,
-            model_estimate=model, remat=self.get(d, "remat", bool, "plan", False))
+            model_estimate=model, remat=self.get(d, "remat", bool, "plan", False),
+            compiled_by=self.get(d, "compiled_by", str, "plan", ""))
 
     def int_key(self, k: str, where: str) -> int:
         try:

@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compile-only TPU devices run nothing, so test workers may each load libtpu (it otherwise
+# refuses a second process while one holds its lock file).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Tests plan afresh: no plan from an earlier run (or another test) is read from disk. The
 # cache tests pass their own directories.
 os.environ.setdefault("SHARDPLAN_CACHE", "off")

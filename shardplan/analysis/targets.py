@@ -21,6 +21,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import math
+import os
 import warnings
 
 import jax
@@ -116,6 +117,9 @@ def known_topologies(hw: HardwareProfile) -> list[str]:
 def _topology(name: str):
     from jax.experimental import topologies
 
+    # Compile-only devices run nothing: another process compiling for a TPU (a test worker, a
+    # second planner) may hold libtpu too, which it refuses without this.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     sides = [int(s) for s in name.split(":")[1].split("x")]
     # A slice smaller than a host (v5e:1x1) names its host's bounds itself.
     kw = {"chips_per_host_bounds": (*sides, 1)[:3]} if math.prod(sides) < 4 else {}

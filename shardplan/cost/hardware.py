@@ -289,6 +289,14 @@ _TPU_V4_ICI = Link(bandwidth=2 * 50e9, latency=1e-6)
 #   bidirectional ICI 400 GBps per chip over 4 ports (2D torus) = 50 GB/s per port per
 #   direction; a ring along one axis uses 2 ports -> 100 GB/s; 8 chips per host.
 _TPU_V5E_ICI = Link(bandwidth=2 * 50e9, latency=1e-6)
+# TPU v5p: Cloud TPU docs, "TPU v5p": 459 TFLOPS bf16 per chip; 95 GiB HBM2e at 2765 GBps;
+#   bidirectional ICI 1200 GBps per chip over 6 ports (3D torus) = 100 GB/s per port per
+#   direction; a ring along one axis uses 2 ports -> 200 GB/s; 4 chips per host (2x2x1).
+_TPU_V5P_ICI = Link(bandwidth=2 * 100e9, latency=1e-6)
+# TPU v6e (Trillium): Cloud TPU docs, "TPU v6e": 918 TFLOPS bf16 per chip; 32 GB HBM at 1640
+#   GBps; bidirectional ICI 800 GBps per chip over 4 ports (2D torus) = 100 GB/s per port per
+#   direction; a ring along one axis uses 2 ports -> 200 GB/s; 8 chips per host.
+_TPU_V6E_ICI = Link(bandwidth=2 * 100e9, latency=1e-6)
 # A100 80GB SXM: NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 156 TFLOPS TF32 dense (JAX's
 #   default f32 matmul precision uses TF32 on Ampere, JAX docs "Matmul precision"); 80 GB
 #   HBM2e at 2039 GB/s; NVLink 3 + NVSwitch: 600 GB/s total per GPU = 300 GB/s per direction.
@@ -313,6 +321,8 @@ _SOURCES = {
     "tpu-v4": "Cloud TPU docs 'TPU v4'; Jouppi et al., 'TPU v4: An Optically Reconfigurable "
               "Supercomputer for Machine Learning', ISCA 2023; JAX docs 'Matmul precision'",
     "tpu-v5e": "Cloud TPU docs 'TPU v5e'; JAX docs 'Matmul precision'",
+    "tpu-v5p": "Cloud TPU docs 'TPU v5p'; JAX docs 'Matmul precision'",
+    "tpu-v6e": "Cloud TPU docs 'TPU v6e'; JAX docs 'Matmul precision'",
     "a100-80gb": "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); NVIDIA DGX A100 datasheet; "
                  "JAX docs 'Matmul precision'",
     "h100-80gb": "NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 datasheet; "
@@ -327,6 +337,8 @@ _SOURCES = {
 _ROWS = (
     ("tpu-v4", 275e12, 275e12, 32 * GiB, 4, _TPU_V4_ICI, _TPU_V4_ICI, 1200e9, "tpu", True),
     ("tpu-v5e", 197e12, 197e12, 16 * GiB, 8, _TPU_V5E_ICI, _TPU_V5E_ICI, 819e9, "tpu", True),
+    ("tpu-v5p", 459e12, 459e12, 95 * GiB, 4, _TPU_V5P_ICI, _TPU_V5P_ICI, 2765e9, "tpu", True),
+    ("tpu-v6e", 918e12, 918e12, 32 * GiB, 8, _TPU_V6E_ICI, _TPU_V6E_ICI, 1640e9, "tpu", True),
     ("a100-80gb", 312e12, 156e12, 80 * GiB, 8, _A100_NVLINK, _A100_IB, 2039e9, "gpu", True),
     ("h100-80gb", 989.4e12, 494.7e12, 80 * GiB, 8, _H100_NVLINK, _H100_IB, 3.35e12, "gpu", True),
     ("cpu", 333e9 / 8, 333e9 / 8, 2 * GiB, 8, _CPU_MEMCPY, _CPU_MEMCPY, 20e9 / 8, "cpu", False),
