@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shardplan import fingerprint, gcpause, measure, remat_search
+from shardplan import fingerprint, fit, gcpause, measure, remat_search
 from shardplan import hints as hints_mod
+from shardplan.analysis import targets
 from shardplan.api import _check_fn, _options
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
@@ -48,8 +49,12 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
     `axis_names`, default devices / data, model) and keeps the cheapest plan; its notes list
     every mesh tried. `options` (or its fields by keyword) as for shardplan.auto; one program
     is planned (pipeline=False). With `measure=True` the searched plan and the expert plans
-    are compiled by XLA on CPU devices standing in for the cluster, priced with the profile,
-    and the cheapest that fits is kept (JAX must run as many CPU devices as the mesh has).
+    are compiled, priced with the profile, and the cheapest that fits is kept: for a TPU
+    cluster by the TPU compiler on compile-only devices of the slice when libtpu is installed
+    (`plan.candidates` then hold each program's peak per chip and collectives), else by XLA on
+    CPU devices standing in for it (JAX must run as many CPU devices as the mesh has). On a
+    TPU cluster the TPU compiler also checks a plan said to fit `memory_budget`
+    (shardplan.fit), as `auto` does on devices.
     """
     _check_fn(fn, "shardplan.search")
     with gcpause.paused():
@@ -100,8 +105,13 @@ def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
     options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args))
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
     shape = MeshShape(names, mesh_shape)
-    plan = remat_search.plan(traced, options,
-                             lambda t, o: measure.plan_measured(t, shape, hw, o)[0])
+    if hw.backend == "tpu" and not targets.why_not_tpu(hw):
+        def planner(t, o):
+            return fit.plan_checked(t, shape, hw, o, device_mesh=None)
+    else:
+        def planner(t, o):
+            return measure.plan_measured(t, shape, hw, o)[0]
+    plan = remat_search.plan(traced, options, planner)
     return dataclasses.replace(plan, fingerprint=fingerprint.of_step(traced, shape))
 
 

@@ -155,3 +155,21 @@ def test_a_program_is_compiled_once(monkeypatch, mesh2x4):
     lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((64, 64), jnp.float32))
     assert measure.analyzed(lowered, mesh2x4) is measure.analyzed(lowered, mesh2x4)
     assert len(calls) == 1
+
+
+def test_search_on_a_tpu_cluster_hands_back_the_compiled_programs(devices):
+    """No devices but the TPU compiler: shardplan.search(cluster="tpu-v5e-16", measure=True)
+    compiles every candidate for the v5e:4x4 slice; each holds its peak per chip and its
+    collectives."""
+    _needs_libtpu()
+    m = _mlp()
+    plan = shardplan.search(m.fn, *m.args, cluster="tpu-v5e-16", mesh_shape=(4, 4),
+                            axis_names=("data", "model"), measure=True, time_limit=30,
+                            state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
+    assert "v5e:4x4" in plan.compiled_by
+    searched = plan.candidates[0]
+    assert searched.name == "searched" and searched.stats.platform == "tpu"
+    assert searched.stats.peak_bytes > 0 and searched.priced.peak_bytes == searched.stats.peak_bytes
+    assert {c.stats.platform for c in plan.candidates if c.stats is not None} == {"tpu"}
+    dp = next(c for c in plan.candidates if c.name == "data_parallel")
+    assert any(op.kind == "all-reduce" and op.group_size == 16 for op in dp.stats.collectives)

@@ -1,0 +1,136 @@
+"""Plans judged by the TPU compiler: for each case, the searched plan and every expert plan
+(data parallel, FSDP, Megatron, 2-D) compiled by libtpu for compile-only devices of a v5e slice
+(shardplan.analysis.targets; no TPU needed), each compiled program priced by the tpu-v5e
+profile (shardplan.analysis.price) and by the compiler's own `optimal_seconds`.
+
+Checked per case: every plan said to fit the budget compiles within the chip's HBM; the memory
+model's peak against the TPU's memory_analysis (within 10%); the searched plan's estimated
+step against its TPU program priced by the cost model (within 10%); the candidates ranked by
+price as `optimal_seconds` ranks them; the searched plan <= the best expert plan that fits.
+
+    .venv/bin/python benchmarks/tpu_check.py                      # every case, 2x4 and 4x4
+    .venv/bin/python benchmarks/tpu_check.py --cases gpt2-124m --meshes 2x4
+    .venv/bin/python benchmarks/tpu_check.py --cases gpt2-124m --meshes 16x16
+
+A TPU compile at these sizes takes one to several minutes on 2 cores: the whole table takes
+about an hour. Needs libtpu (`pip install -e ".[tpu]"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+# name -> (zoo model, size, overrides): bf16 as users train them
+CASES = {
+    "gpt2-124m": ("gpt", "gpt2-124m", {"dtype": "bfloat16"}),
+    "llama-7b-4l": ("llama", "7b", {"dtype": "bfloat16", "num_layers": 4, "batch_size": 16}),
+    "moe-380m": ("moe", "380m", {"dtype": "bfloat16"}),
+}
+MESHES = {"2x4": (2, 4), "4x4": (4, 4), "16x16": (16, 16)}
+# The HBM the TPU compiler lets a v5e program use (its RESOURCE_EXHAUSTED message: "exceeds
+# available HBM (15.75G)").
+V5E_HBM = int(15.75 * 2**30)
+TOLERANCE = 0.10
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:9.2f}"
+
+
+def _gib(b: float | None) -> str:
+    return "-" if b is None else f"{b / 2**30:7.2f}"
+
+
+def check(case: str, mesh_name: str, time_limit: float) -> list[str]:
+    """Plan one case with every candidate compiled by the TPU compiler; print the table and
+    return what failed."""
+    import shardplan
+    from shardplan.analysis import targets
+    from shardplan.cost.hardware import get_profile
+    from shardplan.models import get_model
+    from shardplan.strategies.spec import MeshShape
+
+    model, size, overrides = CASES[case]
+    hw = get_profile("tpu-v5e")
+    shape = MESHES[mesh_name]
+    mesh = targets.tpu_mesh(hw, MeshShape(("data", "model"), shape))
+    m = get_model(model, size, abstract=True, **overrides)
+    start = time.perf_counter()
+    step = shardplan.auto(m.fn, mesh=mesh, hardware=hw, state_argnums=m.state_argnums,
+                          batch_argnums=m.batch_argnums, donate_argnums=m.state_argnums,
+                          memory_budget=V5E_HBM, measure=True, time_limit=time_limit,
+                          cache=False)
+    plan = step.plan(*m.args)
+    took = time.perf_counter() - start
+    print(f"\n== {case} on v5e {mesh_name} ({took:.0f} s, {plan.compiled_by}); "
+          f"kept {plan.solver[:60]}")
+    print(f"  {'candidate':26s} {'fits':>5s} {'est GiB':>8s} {'TPU GiB':>8s} {'ratio':>6s} "
+          f"{'est ms':>9s} {'priced ms':>9s} {'ratio':>6s} {'opt_s ms':>9s}")
+    failures: list[str] = []
+    rows = []
+    for c in plan.candidates:
+        if c.priced is None:
+            print(f"  {c.name:26s} did not compile: {c.error[:110]}")
+            continue
+        e, p = c.plan.estimate, c.priced
+        modelled = bool(c.plan.ops)  # an expert of input shardings alone has no estimate
+        mem = e.peak_bytes / p.peak_bytes if modelled else None
+        time_ratio = e.total_s / p.total_s if modelled else None
+        fits = p.peak_bytes <= V5E_HBM
+        opt = c.stats.optimal_seconds if c.stats is not None else None
+        rows.append((c.name, p.total_s, opt, fits))
+        print(f"  {c.name:26s} {'yes' if fits else 'NO':>5s} "
+              f"{_gib(e.peak_bytes if modelled else None):>8s} {_gib(p.peak_bytes):>8s} "
+              f"{'-' if mem is None else f'{mem:6.2f}':>6s} "
+              f"{_ms(e.total_s if modelled else None)} {_ms(p.total_s)} "
+              f"{'-' if time_ratio is None else f'{time_ratio:6.2f}':>6s} {_ms(opt)}")
+        if c.name.startswith("searched"):
+            if mem is not None and abs(mem - 1) > TOLERANCE:
+                failures.append(f"{case} {mesh_name} {c.name}: memory estimate {mem:.2f} of "
+                                "the TPU's")
+            if time_ratio is not None and abs(time_ratio - 1) > TOLERANCE:
+                failures.append(f"{case} {mesh_name} {c.name}: step estimate {time_ratio:.2f} "
+                                "of its TPU program priced")
+    if plan.fits() and plan.estimate.peak_bytes > V5E_HBM:
+        failures.append(f"{case} {mesh_name}: said to fit, compiled over HBM")
+    ours = [r for r in rows if r[0] == "searched"]
+    experts = [r for r in rows if not r[0].startswith("searched") and r[3]]
+    if ours and experts:
+        best = min(experts, key=lambda r: r[1])
+        ratio = ours[0][1] / best[1]
+        by_price = [r[0] for r in sorted(rows, key=lambda r: r[1])]
+        by_opt = [r[0] for r in sorted(rows, key=lambda r: r[2] or 0.0)]
+        print(f"  searched / best expert that fits ({best[0]}) = {ratio:.3f} priced, "
+              f"{ours[0][2] / best[2]:.3f} by optimal_seconds")
+        print(f"  ranked by price: {', '.join(by_price)}")
+        print(f"  ranked by optimal_seconds: {', '.join(by_opt)}")
+        if ratio > 1 + 1e-3:
+            failures.append(f"{case} {mesh_name}: searched plan {ratio:.3f}x the best expert")
+    sys.stdout.flush()
+    return failures
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES))
+    ap.add_argument("--meshes", nargs="+", choices=sorted(MESHES), default=["2x4", "4x4"])
+    ap.add_argument("--time-limit", type=float, default=120.0)
+    args = ap.parse_args(argv)
+    jax.config.update("jax_num_cpu_devices", 8)
+    failures = []
+    for case in args.cases:
+        for mesh_name in args.meshes:
+            failures += check(case, mesh_name, args.time_limit)
+    print("\n" + ("\n".join(f"FAIL {f}" for f in failures) if failures else "all checks hold"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
