@@ -23,10 +23,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import pydantic
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shardplan import models
+from shardplan import files, models
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.options import DEFAULTS, Hints, SearchOptions
 from shardplan.search import mesh_shapes
@@ -280,8 +279,8 @@ def apply_overrides(data: Mapping, overrides: Sequence[str]) -> dict:
             raise ConfigError("--set", f"{item!r} is not of the form key.path=value "
                               "(e.g. --set model.size=gpt2-1.5b)")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as e:
+            value = files.parse_yaml(raw, "--set value") if raw.strip() else None
+        except files.FileError as e:
             raise ConfigError(key, f"cannot read the value {raw!r} of --set as YAML: {e}") from None
         node = out
         parts = key.split(".")
@@ -311,10 +310,9 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
     if not os.path.isfile(path):
         raise ConfigError(None, f"config file {path!r} does not exist")
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise ConfigError(None, f"is not valid YAML: {e}", source=path) from None
+        data = files.load_yaml(path, "config")
+    except files.FileError as e:
+        raise ConfigError(None, e.what, source=path) from None
     if data is None:
         data = {}
     if not isinstance(data, Mapping):

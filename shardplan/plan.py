@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -18,10 +19,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from shardplan import files
 from shardplan.cost.estimate import Estimate
 from shardplan.fingerprint import Fingerprint
 from shardplan.inter import schedule as schedule_mod
 from shardplan.inter.stages import Stage, device_span
+from shardplan.options import SCHEDULES
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import fmt_bytes, fmt_seconds
 
@@ -199,7 +202,7 @@ class Plan:
     def from_dict(cls, d: Any, path: str = "<plan>") -> Plan:
         """The plan of `to_dict`'s values, checked; PlanFileError (naming `path`) says what is
         wrong."""
-        return _PlanReader(path).plan(d)
+        return _PlanReader(path).plan(d)  # no fingerprint required: cache entries, broadcasts
 
     def save(self, path) -> None:
         """Write the plan as JSON (sorted, so equal plans are equal bytes)."""
@@ -229,14 +232,16 @@ class Plan:
         # force_jupyter=False: in a notebook rich would print to the cell and ignore `file`
         console = Console(file=buf, width=120, force_terminal=False, force_jupyter=False,
                           color_system=None)
-        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.sizes))
+        # Text a file gave (names, notes, hardware) is shown inert: control characters as their
+        # escapes, rich markup escaped (tests/test_files.py::test_the_summary_shows_file_text_inert)
+        mesh = _text(" x ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.sizes)))
         e = self.estimate
         fits = self.fits()
         budget = ("" if fits is None else f" ({'fits' if fits else 'OVER'} the budget of "
                                            f"{fmt_bytes(self.memory_budget)})")
-        console.print(f"shardplan plan on mesh {mesh}, hardware {self.hardware}"
+        console.print(f"shardplan plan on mesh {mesh}, hardware {_text(self.hardware)}"
                       + (", scanned layers rematerialized" if self.remat else ""))
-        console.print(f"estimate per step ({self.estimate_source}): {fmt_seconds(e.total_s)} = "
+        console.print(f"estimate per step ({_text(self.estimate_source)}): {fmt_seconds(e.total_s)} = "
                       f"compute "
                       f"{fmt_seconds(e.compute_s)} + communication {fmt_seconds(e.comm_s)} "
                       f"({fmt_bytes(e.comm_bytes)} sent per device); peak memory "
@@ -255,7 +260,7 @@ class Plan:
             t.add_column(c)
         rows = self.param_table()
         for p, s, n in rows[:max_rows]:
-            t.add_row(escape(p), s, str(n))
+            t.add_row(_text(p), _text(s), str(n))
         if len(rows) > max_rows:
             t.add_row(f"... {len(rows) - max_rows} more groups", "", "")
         console.print(t)
@@ -264,15 +269,15 @@ class Plan:
             for c in ("op", "name", "strategy", "compute", "comm"):
                 t.add_column(c)
             for o in sorted(self.ops, key=lambda o: -(o.compute_s + o.comm_s))[:max_rows]:
-                t.add_row(o.primitive, escape(o.name[-50:]), escape(o.strategy), fmt_seconds(o.compute_s),
-                          fmt_seconds(o.comm_s))
+                t.add_row(_text(o.primitive), _text(o.name[-50:]), _text(o.strategy),
+                          fmt_seconds(o.compute_s), fmt_seconds(o.comm_s))
             console.print(t)
         for note in self.notes:
-            console.print(note)
+            console.print(_text(note))
         if self.search_s:
-            console.print(f"search took {self.search_s:.2f} s ({self.solver})")
+            console.print(f"search took {self.search_s:.2f} s ({_text(self.solver)})")
         elif self.solver:
-            console.print(f"solver: {self.solver}")
+            console.print(f"solver: {_text(self.solver)}")
         return buf.getvalue()
 
     def timeline(self) -> str:
@@ -291,6 +296,12 @@ class Plan:
 _LAYER_SCOPE = re.compile(r"(?<![A-Za-z0-9])([A-Za-z][A-Za-z]*)_\d+(?![0-9])")
 
 
+def _text(x) -> str:
+    """`x` as text safe to print with rich: control characters shown as escapes, markup
+    escaped (a note holding `[/]` prints as written)."""
+    return escape(files.printable(x))
+
+
 def _spec_to_json(s: ShardSpec) -> dict:
     return {"dims": [list(d) for d in s.dims], "partial": list(s.partial)}
 
@@ -302,14 +313,38 @@ def _path_arg(path, where: str):
     return path
 
 
+_SPEC_KEYS = ("dims", "partial")
+_NAMED_KEYS = ("name", "spec")
+_OP_KEYS = ("primitive", "name", "strategy", "compute_s", "comm_s")
+_STAGE_KEYS = ("layers", "submesh_shape", "devices", "estimate")
+_ESTIMATE_KEYS = (*(f.name for f in dataclasses.fields(Estimate)), "total_s")
+_PLAN_KEYS = ("version", "fingerprint", "mesh", "hardware", "memory_budget", "inputs", "outputs",
+              "constraints", "operand_specs", "estimate", "model_estimate", "ops", "stages",
+              "solver", "num_micro_batches", "schedule", "pipeline_kind", "notes", "remat",
+              "compiled_by")
+_V1_KEYS = (*(k for k in _PLAN_KEYS if k != "version"), "format", "search_s")
+"""Version 1 files named their version "format" and kept the search time."""
+_MAX_INT = 2**62  # no count, size, id or byte figure in a plan is near it
+
+
 class _PlanReader:
-    """Reads a plan file's JSON values, raising PlanFileError at the first thing wrong."""
+    """Reads a plan file's JSON values, raising PlanFileError at the first thing wrong: every
+    object's fields known (to_dict's, no others), every value of its type, numbers finite,
+    counts in range. Shown by tests/test_files.py and the corruptions of
+    tests/test_cache_hardening.py."""
 
     def __init__(self, path):
         self.path = path
 
     def fail(self, what: str):
         raise PlanFileError(self.path, what)
+
+    def fields(self, d: Mapping, allowed, where: str) -> None:
+        unknown = sorted(set(d) - set(allowed), key=str)
+        if unknown:
+            self.fail(f"{where} has the unknown field {files.printable(unknown[0])!r:.80}; its "
+                      f"fields are {', '.join(allowed)} (was the file edited, or written by "
+                      "another program? save plans with Plan.save)")
 
     def get(self, d: Mapping, key: str, kind, where: str, default=...):
         if key not in d:
@@ -322,10 +357,23 @@ class _PlanReader:
         names = {dict: "an object", list: "a list", str: "a string", int: "an integer",
                  float: "a number", bool: "true or false"}
         ok = (isinstance(x, bool) if kind is bool else
-              isinstance(x, int) and not isinstance(x, bool) if kind is int else
-              isinstance(x, (int, float)) and not isinstance(x, bool) if kind is float else isinstance(x, kind))
+              isinstance(x, int) and not isinstance(x, bool) and abs(x) < _MAX_INT
+              if kind is int else
+              isinstance(x, (int, float)) and not isinstance(x, bool) and _finite(x)
+              if kind is float else isinstance(x, kind))
+        if not ok and kind in (int, float) and isinstance(x, (int, float)) and \
+                not isinstance(x, bool):
+            self.fail(f"{where} should be a finite number{' below 2**62' if kind is int else ''}"
+                      f", got {_shown(x)}")
         if not ok:
-            self.fail(f"{where} should be {names.get(kind, 'a number or null')}, got {json.dumps(x)[:60]}")
+            self.fail(f"{where} should be {names.get(kind, 'a number or null')}, got "
+                      f"{_shown(x)}")
+        return x
+
+    def count(self, d: Mapping, key: str, where: str, low: int, default=...) -> int:
+        x = self.get(d, key, int, where, default)
+        if x < low:
+            self.fail(f"{where}.{key} should be at least {low}, got {x}")
         return x
 
     def items(self, d: Mapping, key: str, kind, where: str, default=...) -> list:
@@ -334,35 +382,57 @@ class _PlanReader:
 
     def spec(self, d, where: str) -> ShardSpec:
         self.check(d, dict, where)
+        self.fields(d, _SPEC_KEYS, where)
         dims = self.get(d, "dims", list, where)
         for i, axes in enumerate(dims):
             self.items({"dims": axes}, "dims", str, f"{where}.dims[{i}]")
         partial = self.items(d, "partial", str, where, ())
-        return ShardSpec(tuple(tuple(x) for x in dims), tuple(partial))
+        spec = ShardSpec(tuple(tuple(x) for x in dims), tuple(partial))
+        used = spec.used_axes()
+        if len(set(used)) != len(used):
+            twice = sorted({a for a in used if used.count(a) > 1})
+            self.fail(f"{where} uses the mesh axis {files.printable(twice[0])!r:.60} more than "
+                      "once; a value is split over an axis at most once")
+        return spec
 
     def estimate(self, d, where: str) -> Estimate:
         self.check(d, dict, where)
+        self.fields(d, _ESTIMATE_KEYS, where)
         fields = {f.name: self.get(d, f.name, float, where) for f in dataclasses.fields(Estimate)
                   if f.name in d or f.default is dataclasses.MISSING}
+        self.get(d, "total_s", float, where, 0.0)
+        negative = [k for k, v in fields.items() if v < 0]
+        if negative:
+            self.fail(f"{where}.{negative[0]} should be >= 0, got {fields[negative[0]]}")
         return Estimate(**fields)
 
-    def plan(self, d) -> Plan:
+    def version(self, d: Mapping) -> int:
+        version = d.get("version", d.get("format"))
+        if type(version) is not int or version not in (1, FORMAT_VERSION):
+            self.fail(f"plan file version {_shown(version)} is not one this shardplan reads (1 "
+                      f"or {FORMAT_VERSION}, an integer); plan the step again with this version "
+                      "of shardplan")
+        return version
+
+    def plan(self, d, require_fingerprint: bool = False) -> Plan:
         if not isinstance(d, dict):
             self.fail(f"the file holds {type(d).__name__ if d is not None else 'null'}, not a "
                       "plan object (write plans with Plan.save)")
-        version = d.get("version", d.get("format"))
-        if version not in (1, FORMAT_VERSION):
-            self.fail(f"plan file version {version!r} is not one this shardplan reads (1 or "
-                      f"{FORMAT_VERSION}); plan the step again with this version of shardplan")
+        version = self.version(d)
+        self.fields(d, _PLAN_KEYS if version == FORMAT_VERSION else _V1_KEYS, "plan")
         m = self.get(d, "mesh", dict, "plan")
+        self.fields(m, ("names", "sizes"), "mesh")
         names = tuple(self.items(m, "names", str, "mesh"))
         sizes = tuple(self.items(m, "sizes", int, "mesh"))
-        if len(names) != len(sizes) or any(k < 1 for k in sizes):
-            self.fail(f"mesh names {list(names)} and sizes {list(sizes)} do not match")
+        if len(names) != len(sizes) or any(k < 1 for k in sizes) or len(set(names)) != len(names):
+            self.fail(f"mesh names {_shown(list(names))} and sizes {_shown(list(sizes))} do not "
+                      "match (one positive size per axis, each name once)")
         mesh = MeshShape(names, sizes)
 
         def named(key):
             rows = self.items(d, key, dict, "plan")
+            for i, r in enumerate(rows):
+                self.fields(r, _NAMED_KEYS, f"{key}[{i}]")
             return ([self.get(r, "name", str, f"{key}[{i}]") for i, r in enumerate(rows)],
                     [self.spec(self.get(r, "spec", dict, f"{key}[{i}]"), f"{key}[{i}].spec")
                      for i, r in enumerate(rows)])
@@ -373,41 +443,46 @@ class _PlanReader:
                        for k, v in self.get(d, "constraints", dict, "plan").items()}
         operand_specs = {}
         for k, route in self.get(d, "operand_specs", dict, "plan", {}).items():
-            node, _, index = k.partition(":")
+            node, sep, index = k.partition(":")
+            if not sep:
+                self.fail(f"operand_specs has the key {_shown(k)}; its keys are "
+                          "'<node id>:<operand index>'")
             key = (self.int_key(node, "operand_specs"), self.int_key(index, "operand_specs"))
             self.check(route, list, f"operand_specs[{k}]")
             operand_specs[key] = tuple(self.spec(s, f"operand_specs[{k}]") for s in route)
         # a pipeline's specs are on its stages' submeshes, whose axes are their own
         kind = self.get(d, "pipeline_kind", str, "plan", "mpmd" if d.get("stages") else "")
+        if kind not in ("", "spmd", "mpmd"):
+            self.fail(f"plan.pipeline_kind should be \"\", \"spmd\" or \"mpmd\", got "
+                      f"{_shown(kind)}")
         checked = [] if kind == "mpmd" else [
             *zip(in_specs, in_names), *zip(out_specs, out_names),
             *((s, f"constraint {k}") for k, s in constraints.items())]
         for spec, where in checked:
             unknown = sorted(set(spec.used_axes()) - set(names))
             if unknown:
-                self.fail(f"the spec of {where} uses mesh axes {unknown}, not in the plan's "
-                          f"mesh {list(names)}")
+                self.fail(f"the spec of {files.printable(where)[:80]} uses mesh axes "
+                          f"{files.printable(unknown)[:80]}, not in the plan's mesh "
+                          f"{files.printable(list(names))[:80]}")
         ops = []
         for i, o in enumerate(self.items(d, "ops", dict, "plan", ())):
             w = f"ops[{i}]"
+            self.fields(o, _OP_KEYS, w)
             ops.append(OpRow(*(self.get(o, f, str, w) for f in ("primitive", "name", "strategy")),
                              *(self.get(o, f, float, w) for f in ("compute_s", "comm_s"))))
-        stages = []
-        for i, st in enumerate(self.items(d, "stages", dict, "plan", ())):
-            w = f"stages[{i}]"
-            stages.append(Stage(*(tuple(self.items(st, f, int, w))
-                                  for f in ("layers", "submesh_shape", "devices")),
-                                self.estimate(self.get(st, "estimate", dict, w), f"{w}.estimate")))
-        fp = d.get("fingerprint")
-        if fp is not None:
-            self.check(fp, dict, "fingerprint")
-            fp = Fingerprint(*(self.get(fp, f, str, "fingerprint")
-                               for f in ("inputs", "function", "mesh")))
+        stages = [self.stage(st, f"stages[{i}]")
+                  for i, st in enumerate(self.items(d, "stages", dict, "plan", ()))]
+        fp = self.fingerprint(d, version, require_fingerprint)
         model = d.get("model_estimate")
         model = None if model is None else self.estimate(model, "model_estimate")
         budget = self.get(d, "memory_budget", (int, float, type(None)), "plan", None)
-        if isinstance(budget, bool) or (budget is not None and not budget > 0):
-            self.fail(f"memory_budget should be a positive number of bytes or null, got {budget!r}")
+        if isinstance(budget, bool) or (budget is not None and not (_finite(budget) and budget > 0)):
+            self.fail(f"memory_budget should be a positive, finite number of bytes or null, got "
+                      f"{_shown(budget)}")
+        schedule = self.get(d, "schedule", str, "plan", "")
+        if schedule not in ("", *SCHEDULES):
+            self.fail(f"plan.schedule should be one of {list(SCHEDULES)} or \"\", got "
+                      f"{_shown(schedule)}")
         return Plan(
             mesh=mesh, hardware=self.get(d, "hardware", str, "plan"),
             input_names=tuple(in_names), input_specs=tuple(in_specs),
@@ -416,27 +491,75 @@ class _PlanReader:
             estimate=self.estimate(self.get(d, "estimate", dict, "plan"), "estimate"),
             memory_budget=budget, ops=tuple(ops), stages=tuple(stages),
             solver=self.get(d, "solver", str, "plan", ""),
-            num_micro_batches=self.get(d, "num_micro_batches", int, "plan", 1),
-            schedule=self.get(d, "schedule", str, "plan", ""), pipeline_kind=kind,
+            num_micro_batches=self.count(d, "num_micro_batches", "plan", 1, 1),
+            schedule=schedule, pipeline_kind=kind,
             notes=tuple(self.items(d, "notes", str, "plan", ())), fingerprint=fp,
             model_estimate=model, remat=self.get(d, "remat", bool, "plan", False),
             compiled_by=self.get(d, "compiled_by", str, "plan", ""))
 
+    def stage(self, st: Mapping, w: str) -> Stage:
+        self.fields(st, _STAGE_KEYS, w)
+        layers = tuple(self.items(st, "layers", int, w))
+        if len(layers) != 2 or not 0 <= layers[0] <= layers[1]:
+            self.fail(f"{w}.layers should be [first layer, last layer] with 0 <= first <= last, "
+                      f"got {_shown(list(layers))}")
+        shape = tuple(self.items(st, "submesh_shape", int, w))
+        devices = tuple(self.items(st, "devices", int, w))
+        if not shape or any(k < 1 for k in shape):
+            self.fail(f"{w}.submesh_shape should be positive sizes, got {_shown(list(shape))}")
+        if (len(devices) != math.prod(shape) or any(i < 0 for i in devices)
+                or len(set(devices)) != len(devices)):
+            self.fail(f"{w}.devices should be {math.prod(shape)} distinct device ids (the "
+                      f"submesh {_shown(list(shape))}), got {_shown(list(devices))}")
+        return Stage(layers, shape, devices,
+                     self.estimate(self.get(st, "estimate", dict, w), f"{w}.estimate"))
+
+    def fingerprint(self, d: Mapping, version: int, required: bool) -> Fingerprint | None:
+        fp = d.get("fingerprint")
+        if fp is None:
+            if required and version == FORMAT_VERSION:
+                self.fail("the plan has no fingerprint (\"fingerprint\": null or missing): a "
+                          f"version {FORMAT_VERSION} plan file records the step it was made for, "
+                          "which is checked before it runs; save plans with Plan.save, or plan "
+                          "the step again")
+            return None
+        self.check(fp, dict, "fingerprint")
+        self.fields(fp, ("inputs", "function", "mesh"), "fingerprint")
+        return Fingerprint(*(self.get(fp, f, str, "fingerprint")
+                             for f in ("inputs", "function", "mesh")))
+
     def int_key(self, k: str, where: str) -> int:
-        try:
-            return int(k)
-        except ValueError:
-            self.fail(f"{where} has key {k!r}; its keys are value ids (integers)")
+        value = files.ascii_int(k)
+        if value is None:
+            self.fail(f"{where} has the key {_shown(k)}; its keys are value ids (integers in "
+                      "ASCII digits)")
+        return value
 
 
-def load_plan(path) -> Plan:
-    """A plan saved with Plan.save, checked: PlanFileError says what is wrong with the file."""
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _shown(x) -> str:
+    """A value from a file, short and printable, for an error message."""
+    try:
+        text = json.dumps(x)
+    except (ValueError, TypeError, RecursionError):
+        text = type(x).__name__
+    return files.printable(text[:60] + ("..." if len(text) > 60 else ""))
+
+
+def load_plan(path, *, max_bytes: int = files.MAX_BYTES) -> Plan:
+    """A plan saved with Plan.save, checked: PlanFileError says what is wrong with the file.
+    Only a regular file (or a symlink to one) of at most `max_bytes` is read."""
     _path_arg(path, "load_plan")
     try:
-        with open(path) as f:
-            d = json.load(f)
+        d = files.load_json(path, what="plan file", max_bytes=max_bytes)
     except FileNotFoundError:
         raise PlanFileError(path, "no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanFileError(path, f"not valid JSON ({e}); the file may be truncated") from None
-    return Plan.from_dict(d, path)
+    except files.FileError as e:
+        raise PlanFileError(path, e.what) from None
+    return _PlanReader(path).plan(d, require_fingerprint=True)

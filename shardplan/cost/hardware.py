@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import yaml
 
+from shardplan import files
 from shardplan.strategies.spec import MeshShape
 
 GiB = 2**30
@@ -356,8 +356,7 @@ def get_profile(name_or_path: str | os.PathLike) -> HardwareProfile:
     if key.endswith((".yaml", ".yml")) or os.path.isfile(key):
         if not os.path.isfile(key):
             raise FileNotFoundError(f"hardware profile file {key!r} does not exist")
-        with open(key) as f:
-            data = yaml.safe_load(f)
+        data = files.load_yaml(key, "hardware profile")  # FileError names the file
         if not isinstance(data, Mapping):
             raise ValueError(f"{key}: a hardware profile file must hold a mapping of fields")
         return HardwareProfile.from_dict(data, where=key)
