@@ -156,6 +156,10 @@ def analyze(compiled: Any) -> ProgramStats:
     flops, trans, accessed = _cost_numbers(cost)
     (optimal,) = _cost_numbers(cost, ("optimal_seconds",))
     extra = hlo_flops.loop_extra_flops(text)
+    if not flops and not optimal:
+        # XLA:GPU compiled for compile-only devices has no cost analysis: count the HLO
+        # (tests/test_gpu_target.py); the loops' iterations are in that count already.
+        flops, extra = hlo_flops.program_flops(text), 0.0
     mem = compiled.memory_analysis()
     traffic, widened = hlo_bytes.contraction_traffic(text)
 

@@ -27,7 +27,7 @@ import warnings
 import jax
 import numpy as np
 
-from shardplan.analysis import hlo
+from shardplan.analysis import gpu_target, hlo
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.strategies.spec import MeshShape
 
@@ -67,6 +67,9 @@ class Compiler:
         return self.target.split(":", 1)[0]
 
     def describe(self) -> str:
+        if self.platform == "gpu" and self.topology:
+            return (f"XLA:GPU (jax CUDA plugin {self.version}, {self.device_kind}, "
+                    f"topology {self.topology})")
         if self.platform == "tpu":
             return (f"the TPU compiler (libtpu {self.version}, {self.device_kind}, "
                     f"topology {self.topology})")
@@ -166,10 +169,11 @@ def cpu_mesh(mesh_shape: MeshShape) -> jax.sharding.Mesh:
 
 
 def why_not_tpu(hw: HardwareProfile) -> str:
-    """Why XLA:CPU compiles for `hw` ("" when the TPU compiler does)."""
+    """Why XLA:CPU compiles for `hw` ("" when the TPU or GPU compiler does)."""
+    if hw.backend == "gpu":
+        return gpu_target.why_not_gpu(hw.name)
     if hw.backend != "tpu":
-        return "" if hw.backend == "cpu" else (
-            "no GPU compiler runs without a GPU here (docs/hardware.md)")
+        return ""
     if hw.name not in TPU_GENERATIONS:
         return (f"the TPU compiler's compile-only {hw.name} devices are TensorCores, not "
                 "chips (docs/hardware.md)")
@@ -181,15 +185,22 @@ def why_not_tpu(hw: HardwareProfile) -> str:
 def compile_mesh(hw: HardwareProfile, mesh_shape: MeshShape, device_mesh=None
                  ) -> tuple[jax.sharding.Mesh, Compiler]:
     """Where to compile a plan for `hw` on `mesh_shape`, and by which compiler: compile-only
-    devices of the TPU slice when `hw` is a TPU the TPU compiler is installed for (whatever
-    devices the user's mesh holds), else `device_mesh` (the user's devices), else CPU devices
-    standing in. Falling back to XLA:CPU for a TPU warns once."""
+    devices of the TPU slice when `hw` is a TPU the TPU compiler is installed for, or of the
+    GPU cluster when `hw` is a GPU and JAX's CUDA plugin is installed (analysis/gpu_target.py),
+    whatever devices the user's mesh holds; else `device_mesh` (the user's devices), else CPU
+    devices standing in. Falling back to XLA:CPU for a TPU warns once."""
     reason = why_not_tpu(hw)
     if hw.backend == "tpu" and not reason:
         mesh = tpu_mesh(hw, mesh_shape)
         device = mesh.devices.flat[0]
         return mesh, Compiler("tpu", device.device_kind, libtpu_version() or "",
                               f"tpu:{hw.name}", topology_name(hw, mesh_shape.num_devices))
+    if hw.backend == "gpu" and not reason:
+        mesh = gpu_target.gpu_mesh(hw.name, mesh_shape, hw.devices_per_host)
+        device = mesh.devices.flat[0]
+        return mesh, Compiler("gpu", device.device_kind, gpu_target.plugin_version() or "",
+                              f"gpu:{hw.name}", gpu_target.topology(
+                                  mesh_shape.num_devices, hw.devices_per_host))
     mesh = device_mesh if device_mesh is not None else cpu_mesh(mesh_shape)
     platform = np.asarray(mesh.devices).flat[0].platform
     if platform != "cpu":  # the user's own accelerators compile for themselves
