@@ -77,8 +77,14 @@ def main(argv=None) -> int:
     parser.add_argument("dump_dir")
     parser.add_argument("--at", type=int, help="a step of the schedule (default: the peak)")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--hbm", action="store_true",
+                        help="device memory only: leave out the buffers of other memory spaces "
+                             "(a TPU's VMEM, its allocations' 'color 1'), which memory_analysis "
+                             "does not count")
     args = parser.parse_args(argv)
     schedule, buffers, temp_alloc = read(args.dump_dir)
+    if args.hbm:
+        buffers = [b for b in buffers if not b[4].startswith("color ")]
     total, temp = curves(schedule, buffers)
     peak = int(temp.argmax())
     print(f"live peak {total.max():.0f} bytes at step {int(total.argmax())}; temporaries "

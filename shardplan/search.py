@@ -72,7 +72,7 @@ def plan_graph(graph: Graph, traced: TracedStep, mesh_shape: MeshShape, hw: Hard
     fixed = {**(fixed_inputs or {}), **hinted}
     intra = plan_intra(graph, mesh_shape, cost, intra_options(
         options, budget, fixed, deadline=deadline, donated=donated,
-        combine_gradients=combine_gradients))
+        combine_gradients=combine_gradients, compiler=hw.backend))
     ops = tuple(op_rows(graph, cost, intra))
     plan = Plan(
         mesh=mesh_shape, hardware=hw.name,

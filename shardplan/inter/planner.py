@@ -346,7 +346,8 @@ def plan_pipeline(fn, args: Sequence, mesh, hardware: HardwareProfile,
 
     probe = split_into(1)
     budget = hardware.memory_bytes if options.memory_budget is None else options.memory_budget
-    tables_cache = CostTables(hardware, cluster, intra_options(options))
+    tables_cache = CostTables(hardware, cluster,
+                              intra_options(options, compiler=hardware.backend))
     best: tuple[PipelineOption, Tables] | None = None
     alternatives: list[PipelineOption] = []
     for B in _micro_batch_candidates(probe, options.num_micro_batches):

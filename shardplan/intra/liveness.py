@@ -9,11 +9,9 @@ import heapq
 import numpy as np
 
 from shardplan.cost.model import FUSED
+from shardplan.intra import compilers
+from shardplan.ir import primitives
 
-# Generators XLA:CPU runs as a loop of their own (threefry, partitioned as the plan says):
-# the two 32-bit words it draws per element are both kept (the bits are their xor, fused
-# into the readers), and the loop's counters are as large again while it runs.
-GENERATORS = frozenset({"random_bits"})
 
 def schedule(graph, unwritten: frozenset[int] = frozenset(),
              in_place: frozenset[int] = frozenset()) -> list[int]:
@@ -85,8 +83,6 @@ _CHEAP = """
     transpose slice pad rev iota integer_pow
 """
 CHEAP = frozenset(_CHEAP.split())
-# Ops that are not fused whatever the table says: XLA:CPU runs them as loops of their own.
-UNFUSED = GENERATORS | {"threefry2x32"}
 # A scan's stacked ys: a buffer of every iteration's row, written whole (its row in the body is
 # the value written in place), whoever reads it: never fused into a reader.
 STACKED = frozenset({"loop_stack"})
@@ -118,6 +114,18 @@ def _materialised(graph, node, rs) -> bool:
     if node.primitive != "broadcast_in_dim" or len(rs) < 2:
         return False
     return all(graph.values[o].size > graph.values[node.inputs[0]].size for o in node.outputs)
+
+
+# What a compiler that recomputes (compilers.Rules.recomputes) recomputes in each reader.
+RECOMPUTED = frozenset({"elementwise", "broadcast", "reshape", "squeeze", "transpose", "slice",
+                        "rev", "iota", "random", "random_bits"})
+
+
+def _recomputable(graph, node, rs) -> bool:
+    """An elementwise value (or a reshape of one...) that no reduction reads: recomputed in
+    every fusion that reads it (a reduction's fusion writes what it shares with others)."""
+    return (primitives.info(node.primitive).family in RECOMPUTED
+            and not any(graph.nodes[r].primitive in REDUCTIONS for r in rs))
 
 
 def constants(graph) -> set[int]:
@@ -162,15 +170,18 @@ def _folded(graph, node, v, rs, constant, readers) -> bool:
     return False
 
 
-def unwritten(graph, readers, outputs) -> set[int]:
+def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -> set[int]:
     """The values XLA never writes. A value is never written when its producer is fused into
     its readers: an op read once by another fused op, or a cheap unary op (CHEAP) that only
     fused ops read; or when XLA's simplifier folds it (_folded). A reduction's operand is
-    written (XLA:CPU runs a reduction as a library fusion or a reduce-window tree that takes in
-    no producer, or only the last one: counted written, the safe side)."""
+    written unless the compiler's reductions fuse their producers (XLA:CPU runs a reduction as
+    a library fusion or a reduce-window tree that takes in no producer, or only the last one:
+    counted written, the safe side)."""
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
-    fused = FUSED - UNFUSED
-    takes_in = fused - REDUCTIONS
+    fused = FUSED - rules.unfused
+    takes_in = fused if rules.reductions_fuse_producers else fused - REDUCTIONS
+    if rules.dots_fuse_producers:
+        takes_in = takes_in | {"dot_general"}
     constant = constants(graph)
     virtual: set[int] = set()
     for node in graph.nodes:
@@ -181,13 +192,16 @@ def unwritten(graph, readers, outputs) -> set[int]:
             fused_in = node.primitive in fused and node.primitive not in STACKED and all(
                 graph.nodes[r].primitive in takes_in for r in rs) and (
                 len(rs) == 1 or (node.primitive in CHEAP and _unary(graph, node, producer)
-                                 and not _materialised(graph, node, rs)))
+                                 and not (rules.shared_broadcasts
+                                          and _materialised(graph, node, rs)))
+                or (rules.recomputes and _recomputable(graph, node, rs)))
             if fused_in or _folded(graph, node, v, rs, constant, readers):
                 virtual.add(v)
     return virtual
 
 
-def lifetimes(graph, pos, readers, outputs, virtual=None) -> tuple[set[int], dict[int, int]]:
+def lifetimes(graph, pos, readers, outputs, virtual=None
+              ) -> tuple[set[int], dict[int, int]]:
     """(values XLA never writes (unwritten, unless given), the position of each value's last
     read). The reads of a value never written read its producer's operands, so their last
     read moves to the value's."""

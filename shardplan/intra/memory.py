@@ -33,6 +33,7 @@ import numpy as np
 
 from shardplan.cost.model import FUSED
 from shardplan.intra import (
+    compilers,
     gradient_holds,
     layouts,
     liveness,
@@ -41,7 +42,7 @@ from shardplan.intra import (
     originals,
 )
 from shardplan.intra.buffers import Buffer, Copy
-from shardplan.intra.liveness import GENERATORS, lifetimes, schedule
+from shardplan.intra.liveness import lifetimes, schedule
 from shardplan.ir import primitives
 
 # What the model does not see of XLA's buffers, as a share of the step's activations (every
@@ -62,10 +63,6 @@ from shardplan.ir import primitives
 # 50; now 68). The margin is a measured spread, not a model of the heap;
 # the plan's notes say so, and under a budget on devices the plan is compiled and checked.
 MARGIN = 0.10
-# Scalars XLA:CPU's temp allocation holds that the model does not list (a partial sum and its
-# all-reduced copy, loop counters, the offsets of 16-byte alignment): 16 bytes measured on a
-# one-op step (tests/test_fuzz_plans.py), kept with room.
-SMALL_TEMPS = 64.0
 CONV = "conv_general_dilated"
 
 
@@ -74,9 +71,11 @@ class MemoryModel:
     indices whose buffers the step may reuse for their tied outputs; activations are counted
     (1 + margin) times (MARGIN)."""
 
-    def __init__(self, problem, donated: frozenset[int] | None = None, margin: float = 0.0):
+    def __init__(self, problem, donated: frozenset[int] | None = None, margin: float = 0.0,
+                 compiler: str = "cpu"):
         from shardplan.intra.problem import is_tensor
 
+        self.rules = rules = compilers.rules(compiler)
         self.problem = p = problem
         g = p.graph
         self.n = n = len(g.nodes)
@@ -106,16 +105,19 @@ class MemoryModel:
         outputs = {}
         for j, v in enumerate(g.outputs):
             outputs.setdefault(v, []).append(j)
-        unwritten = liveness.unwritten(g, readers, outputs)
+        unwritten = liveness.unwritten(g, readers, outputs, rules)
         # scheduled by the buffers XLA writes: a state update written into its input's buffer
         # allocates nothing (the MLP's weight gradients were all held before any update ran:
         # its estimate 1.09x and 0.88x its compiled peak, 1.00x scheduled so)
         tied = frozenset(v for j, v in enumerate(g.outputs) if g.output_ties[j] is not None)
         self.pos = pos = schedule(g, frozenset(unwritten), tied)
+        self.io: set[int] = set()  # the buffers of the step's inputs and outputs
         for i, v in enumerate(g.inputs):
+            self.io.add(len(self.buffers))
             self.buffers.append(Buffer(root[i], sizes(v, i, 0), 0, end, f"input {i}"))
-        if p.num_inputs:
-            self.buffers.append(Buffer(root[0], np.full(len(p.strategies[root[0]]), SMALL_TEMPS),
+        if p.num_inputs and rules.small_temps:
+            self.buffers.append(Buffer(root[0], np.full(len(p.strategies[root[0]]),
+                                                        rules.small_temps),
                                        0, end, "small temporaries"))
         self.virtual, self.last = virtual, last = lifetimes(g, pos, readers, outputs, unwritten)
         # XLA's scheduler runs what only the step's inputs feed (a weight gathered for a dot,
@@ -143,13 +145,14 @@ class MemoryModel:
                     if v in virtual:
                         continue
                     nbytes = scale * sizes(v, m, k)
-                    if node.primitive in GENERATORS:
+                    if node.primitive in rules.generators:
                         nbytes = 2 * nbytes
                         generated[v] = len(self.buffers) + 1  # after the counters' buffer
                         self.buffers.append(Buffer(root[m], nbytes, pos[node.id], pos[node.id],
                                                   f"{node.primitive} {node.name} counters"))
                     start = pos[node.id]
                     if (node.primitive == "broadcast_in_dim" and v in static
+                            and rules.hoisted_broadcasts
                             or node.primitive in liveness.STACKED):
                         # a scan's stacked ys too: XLA writes them into a buffer of every
                         # row that its loop carries, made (zeros, from no input) before the
@@ -163,9 +166,11 @@ class MemoryModel:
                     continue
                 if len(ties) < len(js):
                     # An output of its own: memory_analysis counts it for the whole program.
+                    self.io.add(len(self.buffers))
                     self.buffers.append(Buffer(root[m], sizes(v, m, k), 0, end, f"output {js}"))
                 for t in ties:
                     if t not in donated:
+                        self.io.add(len(self.buffers))
                         self.buffers.append(Buffer(root[t], sizes(g.inputs[t], t, 0), 0, end,
                                                   f"output tied to undonated input {t}"))
                     # Computed in another layout than its input's, the result is a temporary.
@@ -180,7 +185,8 @@ class MemoryModel:
             # (a kernel gradient's images, whose batch is their channels) is first copied
             # transposed, hoisted when only inputs feed it (ViT on 8 devices: its images
             # transposed at the start, held to the backward convolution; 1.074x compiled)
-            dn = node.params.get("dimension_numbers") if node.primitive == CONV else None
+            dn = (node.params.get("dimension_numbers")
+                  if node.primitive == CONV and rules.conv_layout_copies else None)
             for i, spec in enumerate((dn.lhs_spec, dn.rhs_spec) if dn else ()):
                 n_, v, m = len(spec), node.inputs[i], p.num_inputs + node.id
                 if tuple(spec) == ((0, n_ - 1, *range(1, n_ - 1)) if i == 0
@@ -196,7 +202,8 @@ class MemoryModel:
         # that leave the reduction large enough for YNNPACK
         broadcasts: dict[tuple, list] = {}
         made_by = {v: node.id for node in g.nodes for v in node.outputs}
-        for e, u, _ in liveness.ynn_broadcasts(g, readers, virtual):
+        for e, u, _ in (liveness.ynn_broadcasts(g, readers, virtual)
+                        if rules.reduction_broadcasts else ()):
             v, m = g.nodes[e].outputs[0], p.num_inputs + e
             nbytes = sizes(v, m, 0)
             large = nbytes >= liveness.YNN_MIN_ELEMENTS * g.values[v].itemsize
@@ -208,7 +215,8 @@ class MemoryModel:
             if start <= end and nbytes.any():
                 self.buffers.append(Buffer(r, nbytes, start, end,
                                            f"v{u} broadcast for the reduction of v{v}"))
-        held, copies = gradient_holds.holds(self, is_tensor)
+        held, copies = (gradient_holds.holds(self, is_tensor) if rules.holds_gradients
+                        else ([], []))
         self.buffers += held
         self.copies += copies
         lay = layouts.Layouts(p, self.scale)
@@ -219,6 +227,15 @@ class MemoryModel:
         for mk in self.masks:
             self.copies += masks.ilp_copies(mk)
         self._add_operand_copies(is_tensor, lay, frozenset(counted))
+        # Temporaries the compiler keeps on chip: the rows count the live set less them (the
+        # buffers live throughout go to the ILP's base), peak() never below the inputs and
+        # outputs alone.
+        self.on_chip = None
+        if rules.on_chip_bytes and p.num_inputs:
+            self.on_chip = len(self.buffers)
+            self.buffers.append(Buffer(root[0], np.full(len(p.strategies[root[0]]),
+                                                        -rules.on_chip_bytes),
+                                       0, end, "temporaries held on chip"))
 
     def _add_operand_copies(self, is_tensor, lay, counted: frozenset[int]) -> None:
         p = self.problem
@@ -342,7 +359,8 @@ class MemoryModel:
                     else:
                         needs.append(originals.Need(at, rs, ka, rm, kb, False))
                     held = held or (rm, dsts)
-                if primitives.info(g.nodes[m - p.num_inputs].primitive).leader:
+                if (self.rules.layout_copies
+                        and primitives.info(g.nodes[m - p.num_inputs].primitive).leader):
                     # A gathered operand of a dot is copied once more into the layout the dot
                     # reads (XLA's layout assignment), for the moment of the dot.
                     self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, at, at,
@@ -381,6 +399,8 @@ class MemoryModel:
         bits and reshards as XLA holds them once every layout is known (masks.py)."""
         items = [(b.start, b.end, float(b.nbytes[root_choice[b.root]]), b.what)
                  for b in self.buffers]
+        if self.on_chip is not None:  # peak() subtracts it from the temporaries alone
+            items[self.on_chip] = (0, 0, 0.0, self.buffers[self.on_chip].what)
         for o in self.originals:  # an activation read only through copies (originals.py)
             b = self.buffers[o.buffer]
             items[o.buffer] = (b.start, originals.evaluate(o, b.end, root_choice),
@@ -409,4 +429,13 @@ class MemoryModel:
         change = np.zeros(int(ends.max()) + 2)
         np.add.at(change, starts.astype(int), sizes)
         np.add.at(change, ends.astype(int) + 1, -sizes)
-        return max(0.0, float(np.cumsum(change).max()))
+        total = np.cumsum(change)
+        if self.on_chip is None:
+            return max(0.0, float(total.max()))
+        io = np.zeros_like(change)
+        for i in self.io:
+            io[items[i][0]] += items[i][2]
+            io[items[i][1] + 1] -= items[i][2]
+        io = np.cumsum(io)
+        temps = np.maximum(total - io - self.rules.on_chip_bytes, 0.0)
+        return max(0.0, float((io + temps).max()))

@@ -15,15 +15,17 @@ def intra_options(options: SearchOptions, memory_budget: float | None = None,
                   fixed_inputs: Mapping[int, ShardSpec] | None = None, *,
                   deadline: Deadline | None = None,
                   donated: frozenset[int] | None = None,
-                  combine_gradients: bool | None = None) -> IntraOptions:
+                  combine_gradients: bool | None = None,
+                  compiler: str = IntraOptions.compiler) -> IntraOptions:
     """IntraOptions with the solver settings of `options` and `memory_budget` (the ILP's
     budget, which the measured selection may tighten below the search's); `fixed_inputs` are
     the inputs the options' hints pin (shardplan.intra.hints.fixed_inputs); the wall clock the
     whole search ends by, and the flat inputs the compiled step donates (None: its state);
-    `combine_gradients`: IntraOptions' (None: its default)."""
+    `combine_gradients`: IntraOptions' (None: its default); `compiler`: the target's
+    HardwareProfile.backend, whose buffer rules the memory model follows."""
     return IntraOptions(memory_budget=memory_budget, time_limit_s=options.time_limit,
                         seed=options.solver_seed, workers=options.workers,
                         fixed_inputs=dict(fixed_inputs or {}), deadline=deadline,
-                        donated=donated, memory_margin=MARGIN,
+                        donated=donated, memory_margin=MARGIN, compiler=compiler,
                         combine_gradients=(IntraOptions.combine_gradients
                                            if combine_gradients is None else combine_gradients))

@@ -389,7 +389,8 @@ class Problem(ReshardPrices):
 
         if "_memory" not in self.__dict__:
             self.__dict__["_memory"] = MemoryModel(self, self.options.donated,
-                                                  self.options.memory_margin)
+                                                  self.options.memory_margin,
+                                                  self.options.compiler)
         return self.__dict__["_memory"]
 
     def solver_input(self) -> ilp.SolverInput:

@@ -20,6 +20,9 @@ class IntraOptions:
     # The memory model counts the step's activations (1 + memory_margin) times: what it does
     # not see of XLA's buffers (intra/memory.py says what it does).
     memory_margin: float = 0.0
+    # The compiler the plan is for (HardwareProfile.backend: "cpu", "gpu", "tpu"): the memory
+    # model follows its rules (intra/compilers.py).
+    compiler: str = "cpu"
     # Flat input indices whose buffers the step donates (their tied outputs reuse them);
     # None: every state input (as measure and the zoo compile it).
     donated: frozenset[int] | None = None

@@ -1,0 +1,112 @@
+"""What each XLA compiler does to a step's buffers that a list schedule of the jaxpr does not
+show: one Rules value per compiler, looked up by the target's backend (HardwareProfile.backend,
+passed down as IntraOptions.compiler). The memory model (intra/memory.py, liveness.py) reads
+the rules; it knows nothing else of the compiler.
+
+XLA:CPU's rules were measured on its live ranges (benchmarks/xla_live.py); the TPU compiler's
+on its memory_analysis (benchmarks/memory_tpu.py, tests/test_memory_tpu.py). No GPU compiler
+runs here without a GPU (docs/hardware.md): a GPU target keeps XLA:CPU's rules, the ones
+measured, and its plans' peaks are checked where they are compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """One compiler's buffer rules (see each field)."""
+
+    name: str
+    unfused: frozenset[str]
+    """Ops run as loops of their own, never fused into their readers."""
+    generators: frozenset[str]
+    """Generators whose two 32-bit words per element are both written and kept (the bits are
+    their xor, fused into the readers), with counters as large again while they run."""
+    reductions_fuse_producers: bool
+    """A reduction takes its elementwise producers into its fusion (else their result is
+    written and the reduction reads it)."""
+    dots_fuse_producers: bool
+    """A dot takes its operands' elementwise producers into its fusion (else they are
+    written)."""
+    recomputes: bool
+    """An elementwise value (or a broadcast, reshape, slice, a generator's bits) that several
+    fused ops read is recomputed in each, never written, unless a reduction reads it too (the
+    reduction's fusion writes it as a second output); else only cheap unary ops are."""
+    shared_broadcasts: bool
+    """A broadcast that several ops read is written once and kept from its first read to its
+    last (else it is fused into each reader, never written)."""
+    hoisted_broadcasts: bool
+    """A broadcast of what only the step's inputs feed is made before the first layer."""
+    reduction_broadcasts: bool
+    """A large reduction reads its operands' broadcasts written whole (YNNPACK's)."""
+    conv_layout_copies: bool
+    """A convolution's operand laid out otherwise than NHWC / HWIO is copied transposed."""
+    layout_copies: bool
+    """A gathered operand of a dot is copied once more into the layout the dot reads."""
+    holds_gradients: bool
+    """The gradients a plan reduces are held for one combined all-reduce after the last of
+    them (intra/gradient_holds.py), else each is reduced where it is made."""
+    small_temps: float
+    """Bytes of scalars the temp allocation holds that the model does not list."""
+    on_chip_bytes: float
+    """Bytes of temporaries the compiler keeps in on-chip memory, which memory_analysis' device
+    memory does not count: the live temporaries past this are what it counts."""
+
+
+# XLA:CPU (intra/memory.py's docstring says what each rule saw on its live ranges). It runs
+# threefry as a loop of its own, partitioned as the plan says: the two 32-bit words it draws
+# per element are both kept, and the loop's counters are as large again while it runs.
+CPU = Rules(
+    name="cpu",
+    unfused=frozenset({"random_bits", "threefry2x32"}),
+    generators=frozenset({"random_bits"}),
+    reductions_fuse_producers=False,
+    dots_fuse_producers=False,
+    recomputes=False,
+    shared_broadcasts=True,
+    hoisted_broadcasts=True,
+    reduction_broadcasts=True,
+    conv_layout_copies=True,
+    layout_copies=True,
+    holds_gradients=True,
+    # the scalars XLA:CPU's temp allocation holds (a partial sum and its all-reduced copy,
+    # loop counters, the offsets of 16-byte alignment): 16 bytes measured on a one-op step
+    # (tests/test_fuzz_plans.py), kept with room
+    small_temps=64.0,
+    on_chip_bytes=0.0,
+)
+
+# The TPU compiler (libtpu): it fuses the generator (threefry is elementwise on an iota), the
+# producers of a reduction and of a dot's operands into their readers, and recomputes an
+# elementwise value in every fusion that reads it (a GPT's backward pass recomputes its
+# dropout masks, the dropped attention probabilities and gelu from the pre-activation; the
+# softmax's exp, which its sum reads too, is held); it convolves any layout, assigns its
+# operands' layouts in place, reduces each gradient where it is made (an MLP's data-parallel
+# gradients: one all-reduce each, none held for the others), and its memory
+# space assignment keeps temporaries in the core's VMEM (TPU v5e: 128 MiB a core), which
+# memory_analysis leaves out of the temporaries it counts in HBM.
+TPU = Rules(
+    name="tpu",
+    unfused=frozenset(),
+    generators=frozenset(),
+    reductions_fuse_producers=True,
+    dots_fuse_producers=True,
+    recomputes=True,
+    shared_broadcasts=False,
+    hoisted_broadcasts=False,
+    reduction_broadcasts=False,
+    conv_layout_copies=False,
+    layout_copies=False,
+    holds_gradients=False,
+    small_temps=0.0,
+    on_chip_bytes=0.0,
+)
+
+RULES = {r.name: r for r in (CPU, TPU)}
+
+
+def rules(compiler: str) -> Rules:
+    """The rules of `compiler` (a HardwareProfile.backend); XLA:CPU's for any other (GPU)."""
+    return RULES.get(compiler, CPU)
