@@ -183,12 +183,13 @@ class AutoStep:
                 plan, pp = distributed.plan_auto_once(
                     traced, mesh, hw, o, lambda: measure.choose_measured(
                         self.fn, args, mesh, hw, o, traced, self.donate_argnums),
-                    cache_mod.PlanCache.of(self.plan_cache))
+                    cache_mod.PlanCache.of(self.plan_cache), donate_argnums=self.donate_argnums)
             else:
                 # The SPMD pipeline (process 0 plans it) where it applies, else the MPMD one
                 # (every process plans it); all check the plan before the first step.
                 plan, pp = distributed.plan_pipeline_once(
-                    self.fn, args, mesh, hw, o, traced, cache_mod.PlanCache.of(self.plan_cache))
+                    self.fn, args, mesh, hw, o, traced, cache_mod.PlanCache.of(self.plan_cache),
+                    donate_argnums=self.donate_argnums)
             if pp is not None:
                 return self._emit_mpmd(plan, pp, fp)
             if plan.pipeline_kind == "spmd":
@@ -198,11 +199,16 @@ class AutoStep:
             # An SPMD pipeline plan is one program's plan: cached like one (an MPMD plan is
             # rebuilt by the pipeline planner, which its JSON cannot stand in for).
             cache = cache_mod.PlanCache.of(self.plan_cache)
-            pipe_fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o)
+            pipe_fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o,
+                                                       donate_argnums=self.donate_argnums)
             hit = cache.load(pipe_fp) if cache is not None else None
             if hit is not None and hit.pipeline_kind == "spmd":
-                return self._emit_spmd(dataclasses.replace(
-                    hit, in_tree=traced.in_tree, out_tree=traced.out_tree), fp)
+                try:
+                    return self._emit_spmd(dataclasses.replace(
+                        hit, in_tree=traced.in_tree, out_tree=traced.out_tree), fp)
+                except Exception as e:  # noqa: BLE001  a bad entry is ignored; a planned one raises below
+                    cache.discard(pipe_fp, f"its plan does not apply to this step "
+                                           f"({type(e).__name__}: {str(e)[:200]})")
             choice = measure.choose_measured(self.fn, args, mesh, hw, o, traced,
                                              self.donate_argnums)
             if choice.pipelined and choice.plan.pipeline_kind == "spmd":
@@ -216,7 +222,8 @@ class AutoStep:
             # One plan for every process: planned once (or loaded from the cache), checked
             # before the first step.
             o1 = o.replace(pipeline=False) if o.pipeline is not False else o
-            step_fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o1)
+            step_fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o1,
+                                                       donate_argnums=self.donate_argnums)
 
             def obtain():
                 if self._given_plan is not None:
@@ -225,7 +232,8 @@ class AutoStep:
                     traced, o1, lambda t, o: fit.plan_checked(
                         t, MeshShape.of(mesh), hw, o, device_mesh=mesh,
                         device_order=[d.id for d in mesh.devices.flat],
-                        donate_argnums=self.donate_argnums)))
+                        donate_argnums=self.donate_argnums)),
+                    check=lambda p: _check_cached(p, traced, mesh))
 
             plan = distributed.plan_once(step_fp, obtain, broadcast=self._given_plan is None)
             plan, graph = _adopt(plan, traced, mesh)
@@ -335,6 +343,19 @@ def _adopt(plan: Plan, traced: TracedStep, mesh):
                              f"the mesh's {list(actual.names)}: {again}")
     return dataclasses.replace(plan, in_tree=traced.in_tree, out_tree=traced.out_tree,
                                device_mesh=mesh), graph
+
+
+def _check_cached(plan: Plan, traced: TracedStep, mesh) -> None:
+    """ValueError unless a cached plan applies to the step as a given one must (_adopt), with
+    every input and output spec dividing its value: else the cache ignores the entry
+    (tests/test_cache_hardening.py)."""
+    _, graph = _adopt(plan, traced, mesh)
+    shape = MeshShape.of(mesh)
+    for spec, v in zip((*plan.input_specs, *plan.output_specs), (*graph.inputs, *graph.outputs)):
+        value = graph.value(v)
+        if not spec.valid_for(value.shape, shape):
+            raise ValueError(f"the spec {spec.to_partition_spec()} does not divide a value of "
+                             f"shape {value.shape} on mesh {_mesh_text(shape)}")
 
 
 def _mesh_text(m: MeshShape) -> str:

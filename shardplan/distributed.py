@@ -56,7 +56,8 @@ def default_mesh():
                              axis_types=(auto, auto))
 
 
-def plan_pipeline_once(fn, args, mesh, hardware, options, traced, cache=None):
+def plan_pipeline_once(fn, args, mesh, hardware, options, traced, cache=None, *,
+                       donate_argnums=()):
     """The pipeline of a multi-controller step: (Plan, the PipelinePlan of an MPMD pipeline or
     None for an SPMD one).
 
@@ -70,7 +71,8 @@ def plan_pipeline_once(fn, args, mesh, hardware, options, traced, cache=None):
     if options.pipeline != "mpmd":
         why = probe_spmd(fn, args, mesh, options)
         if not isinstance(why, str):
-            step_fp = fp_mod.step_fingerprint(traced, mesh, hardware, options)
+            step_fp = fp_mod.step_fingerprint(traced, mesh, hardware, options,
+                                              donate_argnums=donate_argnums)
 
             def plan_it():
                 spmd = plan_spmd(fn, args, mesh, hardware, options, traced)
@@ -90,7 +92,8 @@ def plan_pipeline_once(fn, args, mesh, hardware, options, traced, cache=None):
         found["choice"] = choice = choose(fn, args, mesh, hardware, options, traced=traced)
         return choice.plan
 
-    plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options), obtain_mpmd,
+    plan = plan_once(fp_mod.step_fingerprint(traced, mesh, hardware, options,
+                                             donate_argnums=donate_argnums), obtain_mpmd,
                      broadcast=False)
     pp = found["choice"].pipeline
     _agree_layouts(pp)
@@ -98,7 +101,7 @@ def plan_pipeline_once(fn, args, mesh, hardware, options, traced, cache=None):
 
 
 def plan_auto_once(traced, mesh, hardware, options, decide: Callable[[], Choice],
-                   cache=None) -> tuple[Plan, object]:
+                   cache=None, *, donate_argnums=()) -> tuple[Plan, object]:
     """pipeline="auto" in a multi-controller job: (Plan, the PipelinePlan of an MPMD
     pipeline or None).
 
@@ -111,7 +114,8 @@ def plan_auto_once(traced, mesh, hardware, options, decide: Callable[[], Choice]
     then the other processes run `decide()` too (deterministic), and every process checks
     that it chose process 0's plan and that the stages lay out their values alike, before
     the first step."""
-    step_fp = fp_mod.step_fingerprint(traced, mesh, hardware, options)
+    step_fp = fp_mod.step_fingerprint(traced, mesh, hardware, options,
+                                      donate_argnums=donate_argnums)
     mine: dict[str, Choice] = {}
 
     def plan_it() -> Plan:

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
+import importlib.metadata
 import json
+import pathlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import jax
+import jaxlib
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
 
@@ -86,8 +92,8 @@ def jaxpr_text(closed_jaxpr) -> str:
 
 
 def mesh_key(mesh) -> dict:
-    """Axis names and sizes of a jax Mesh or a MeshShape, and the device ids in mesh order
-    for a jax Mesh (the cost model places links by them)."""
+    """Axis names and sizes of a jax Mesh or a MeshShape, and for a jax Mesh the device ids
+    in mesh order (the cost model places links by them), the platform and the device kinds."""
     if hasattr(mesh, "axis_names"):
         names = tuple(str(n) for n in mesh.axis_names)
         key = {"names": list(names), "sizes": [int(mesh.shape[n]) for n in names]}
@@ -95,6 +101,7 @@ def mesh_key(mesh) -> dict:
         if devices is not None:
             key["devices"] = [int(d.id) for d in devices.flat]
             key["platform"] = str(devices.flat[0].platform)
+            key["kinds"] = sorted({str(getattr(d, "device_kind", "")) for d in devices.flat})
         return key
     return {"names": list(mesh.names), "sizes": [int(s) for s in mesh.sizes]}
 
@@ -116,13 +123,44 @@ def step_key(traced) -> dict:
     }
 
 
-def step_fingerprint(traced, mesh, hardware, options, extra: Sequence = ()) -> str:
-    """The fingerprint of planning `traced` on `mesh` (a jax Mesh or MeshShape) for
-    `hardware` (a profile name or HardwareProfile) with `options` (a frozen dataclass of
-    search options): equal inputs give equal hex strings in any process."""
+def step_fingerprint(traced, mesh, hardware, options, *, donate_argnums: Sequence[int],
+                     extra: Sequence = ()) -> str:
+    """THE key of a plan: the plan cache's file name and what every process of a job compares
+    before planning. It covers every input that changes the plan: the traced step (pytrees,
+    shapes, dtypes, roles, jaxpr), the mesh (names, sizes, device ids and kinds), every field
+    of `hardware` (a HardwareProfile, or a name) and of `options` (SearchOptions, hints
+    included), the donated arguments (donation frees their buffers, so a donating step's plan
+    may be over the budget without it), and the versions of jax, jaxlib and shardplan (its
+    source digest). tests/test_cache_hardening.py::test_every_input_of_auto_is_in_the_key
+    fails when an option or an argument of shardplan.auto is neither here nor in its list of
+    arguments that do not change the plan. Equal inputs give equal hex strings in any
+    process."""
     return digest(canonical_json({
         "step": step_key(traced), "mesh": mesh_key(mesh), "hardware": hardware,
-        "options": options, "extra": list(extra)}))
+        "options": options, "donate_argnums": sorted({int(i) for i in donate_argnums}),
+        "versions": versions(), "extra": list(extra)}))
+
+
+def versions() -> dict:
+    """The versions a plan depends on: jax's, jaxlib's and shardplan's (shardplan_version)."""
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "shardplan": shardplan_version()}
+
+
+@functools.lru_cache(maxsize=1)
+def shardplan_version() -> str:
+    """The shardplan version and a digest of its source: plans of a changed planner are not
+    reused, even in a development install whose version number did not move."""
+    try:
+        release = importlib.metadata.version("shardplan")
+    except importlib.metadata.PackageNotFoundError:
+        release = "unknown"
+    root = pathlib.Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return f"{release}+{h.hexdigest()[:12]}"
 
 
 def plan_key(plan_dict: Mapping) -> dict:

@@ -92,6 +92,18 @@ def plan_checked(traced: TracedStep, mesh_shape: MeshShape, hw: HardwareProfile,
     compile_s = time.perf_counter() - start
     stopped = replan_mod.recalibrate(candidates, run, budget, replan)
     priced = [c for c in candidates if c.priced is not None]
+    refused = [c for c in candidates if c.priced is None and c.refused_bytes]
+    if not priced and refused:  # the compiler refused every plan for want of memory
+        least = min(refused, key=lambda c: c.refused_bytes)
+        warnings.warn(f"shardplan: no plan compiles within the memory budget of "
+                      f"{fmt_bytes(budget)} per device: {compiler.describe()} refused each "
+                      f"for want of memory (the least needs {fmt_bytes(least.refused_bytes)})",
+                      stacklevel=3)
+        return dataclasses.replace(
+            least.plan, model_estimate=least.plan.estimate, compiled_by=compiler.describe(),
+            estimate=dataclasses.replace(least.plan.estimate, peak_bytes=least.refused_bytes),
+            notes=(*least.plan.notes, (f"memory checked once compiled ({compiler.describe()}): "
+                   f"refused for want of memory, {least.error}{stopped}")))
     if not priced:  # nothing compiled: the model's word stands, and the notes say why
         return dataclasses.replace(plan, notes=(
             *plan.notes, f"memory not checked once compiled: {candidates[0].error}"))

@@ -85,9 +85,20 @@ class MeasuredProgram:
     error: str = ""
     stats: hlo.ProgramStats | None = None  # the compiled program's collectives, flops, memory
     extrapolated: str = ""  # how `priced` was extrapolated from shallower copies (shardplan.depth)
+    refused_bytes: float = 0.0
+    """What the program needs per device when the compiler refused it for want of memory (the
+    TPU compiler past HBM: targets.hbm_refusal); 0 otherwise."""
 
     def fits(self, budget: float | None) -> bool:
         return self.priced is not None and (budget is None or self.priced.peak_bytes <= budget)
+
+    @property
+    def peak_bytes(self) -> float | None:
+        """The compiled peak per device, or what the compiler said it needs when it refused
+        the program for want of memory; None when neither is known."""
+        if self.priced is not None:
+            return self.priced.peak_bytes
+        return self.refused_bytes or None
 
 
 def compute_dtype(graph: Graph) -> str:
@@ -226,8 +237,10 @@ def measure(graph: Graph, traced: TracedStep, plan: Plan, mesh, hw: HardwareProf
                                           mesh, plan.mesh, hw, dtype or compute_dtype(graph),
                                           widening)
     except Exception as e:  # noqa: BLE001 - one candidate failing must not sink the others
+        refused = targets.hbm_refusal(str(e))
         return MeasuredProgram(name, plan, None,
-                               f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                               f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
+                               refused_bytes=refused[0] if refused else 0.0)
     return MeasuredProgram(name, plan, priced, stats=stats)
 
 

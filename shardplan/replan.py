@@ -21,9 +21,11 @@ def recalibrate(candidates: list, run, memory_budget: float | None,
     ilp_budget = memory_budget
     for k in range(RECALIBRATIONS if replan is not None and memory_budget else 0):
         last = candidates[-1]
-        if last.priced is None or last.fits(memory_budget) or last.plan.estimate.peak_bytes <= 0:
+        # a program the compiler refused for want of memory (its need known) re-plans too
+        if (last.peak_bytes is None or last.fits(memory_budget)
+                or last.plan.estimate.peak_bytes <= 0):
             break
-        scaled = 0.98 * memory_budget * last.plan.estimate.peak_bytes / last.priced.peak_bytes
+        scaled = 0.98 * memory_budget * last.plan.estimate.peak_bytes / last.peak_bytes
         ilp_budget = min(0.98 * ilp_budget, scaled)
         try:
             again = replan(ilp_budget)

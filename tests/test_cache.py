@@ -34,7 +34,8 @@ step = shardplan.auto(mlp_step, mesh=mesh, hardware="cpu")
 start = time.perf_counter()
 plan = step.plan(*args)
 plan_s = time.perf_counter() - start
-fp = fingerprint.step_fingerprint(trace(mlp_step, args), mesh, get_profile("cpu"), step.options)
+fp = fingerprint.step_fingerprint(trace(mlp_step, args), mesh, get_profile("cpu"), step.options,
+                                 donate_argnums=step.donate_argnums)
 print(json.dumps({"plan_s": plan_s, "search_s": plan.search_s, "fingerprint": fp,
                   "specs": [str(s) for s in plan.in_specs.values()]}))
 """

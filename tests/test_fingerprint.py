@@ -19,8 +19,9 @@ CPU = get_profile("cpu")
 DEFAULT = Options()
 
 
-def _fp(args, mesh, hw=CPU, options=DEFAULT):
-    return fingerprint.step_fingerprint(trace(mlp_step, args), mesh, hw, options)
+def _fp(args, mesh, hw=CPU, options=DEFAULT, donate=()):
+    return fingerprint.step_fingerprint(trace(mlp_step, args), mesh, hw, options,
+                                        donate_argnums=donate)
 
 
 def test_the_step_fingerprint_is_stable_and_sees_what_the_plan_depends_on(mesh2x4, mesh8):
@@ -35,6 +36,7 @@ def test_the_step_fingerprint_is_stable_and_sees_what_the_plan_depends_on(mesh2x
     assert base != _fp(args, mesh2x4, get_profile("a100-80gb"))
     assert base != _fp(args, mesh2x4, dataclasses.replace(CPU, peak_flops=CPU.peak_flops * 2))
     assert base != _fp(args, mesh2x4, options=Options(memory_budget=2**30))
+    assert base != _fp(args, mesh2x4, donate=(0,))  # donation frees buffers: another budget
     # A MeshShape (no devices) is keyed by names and sizes alone.
     shape = MeshShape(("data", "model"), (2, 4))
     assert _fp(args, shape) == _fp(args, MeshShape(("data", "model"), (2, 4))) != base

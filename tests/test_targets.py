@@ -173,3 +173,28 @@ def test_search_on_a_tpu_cluster_hands_back_the_compiled_programs(devices):
     assert {c.stats.platform for c in plan.candidates if c.stats is not None} == {"tpu"}
     dp = next(c for c in plan.candidates if c.name == "data_parallel")
     assert any(op.kind == "all-reduce" and op.group_size == 16 for op in dp.stats.collectives)
+
+
+def test_a_program_past_hbm_is_refused_and_never_said_to_fit(mesh2x4, monkeypatch):
+    """The TPU compiler refuses a program past HBM (RESOURCE_EXHAUSTED); the compiled memory
+    check then says the plan needs what the compiler said, over the budget, and warns."""
+    _needs_libtpu()
+    text = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+            "temporaries (35.16G) exceeds available HBM (15.75G).")
+    assert targets.hbm_refusal(text) == (35.16 * 2**30, 15.75 * 2**30)
+    assert targets.hbm_refusal("INTERNAL: something else (3.0G)") is None
+    from shardplan import measure
+
+    def refuse(lowered):
+        raise RuntimeError(text)
+
+    monkeypatch.setattr(measure, "compile_for_analysis", refuse)
+    monkeypatch.setattr(measure, "_COMPILED", {})
+    m = _mlp()
+    step = shardplan.auto(m.fn, mesh=mesh2x4, hardware="tpu-v5e", cache=False,
+                          memory_budget="15GiB", time_limit=30,
+                          state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
+    with pytest.warns(UserWarning, match="refused each for want of memory"):
+        plan = step.plan(*m.args)
+    assert plan.fits() is False and plan.estimate.peak_bytes == 35.16 * 2**30
+    assert any("refused for want of memory" in n for n in plan.notes)

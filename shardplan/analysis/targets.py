@@ -22,6 +22,7 @@ import importlib.metadata
 import importlib.util
 import math
 import os
+import re
 import warnings
 
 import jax
@@ -212,6 +213,23 @@ def compile_mesh(hw: HardwareProfile, mesh_shape: MeshShape, device_mesh=None
                       f"compiler: {reason}", stacklevel=3)
     return mesh, Compiler("cpu", "cpu", jax.__version__, f"{hw.backend}:{hw.name}",
                           reason=reason)
+
+
+# The TPU compiler refuses a program past HBM: "RESOURCE_EXHAUSTED: Ran out of memory on HBM,
+# the total memory required for HLO temporaries (35.16G) exceeds available HBM (15.75G)."
+_HBM_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\).*?available HBM "
+                          r"\(([\d.]+)([KMGT])\)", re.DOTALL)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def hbm_refusal(message: str) -> tuple[float, float] | None:
+    """(bytes the program needs, bytes the chip has) from the TPU compiler's refusal of a
+    program past HBM, or None for any other error
+    (tests/test_targets.py::test_a_program_past_hbm_is_refused_and_never_said_to_fit)."""
+    m = _HBM_REFUSAL.search(message)
+    if m is None:
+        return None
+    return float(m[1]) * _UNITS[m[2]], float(m[3]) * _UNITS[m[4]]
 
 
 # -- what XLA:CPU holds that the target would not ---------------------------------------------
