@@ -23,6 +23,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # name -> (model, size, overrides): bf16 as users write them (bf16 params and activations or
 # f32 params with bf16 compute; the optimizer's state in the params' dtype or f32)
 CASES = {
+    "gpt-128": ("gpt", "tiny", {"dtype": "bfloat16", "hidden": 128, "ffn_dim": 512,
+                                "seq_len": 64}),
     "gpt-512": ("gpt", "tiny", {
         "dtype": "bfloat16", "hidden": 512, "num_layers": 2, "num_heads": 8, "ffn_dim": 2048,
         "seq_len": 256, "vocab_size": 8192, "batch_size": 16}),

@@ -10,7 +10,11 @@ It follows what `compiled.memory_analysis()` counts (argument + output + temp - 
   all-gathered kernel is kept from the forward pass to the backward), so a reader's copy is
   counted from the reader to the last reader of the value that could reshard it too;
 - a state output computed in another layout than its input's: the result before the reshard;
-- what XLA:CPU does that a list schedule of the jaxpr does not show, each measured on its live
+- what the compiler does that a list schedule of the jaxpr does not show, as its Rules say
+  (intra/compilers.py: one value per compiler, from IntraOptions.compiler, the target's
+  HardwareProfile.backend). XLA:CPU's rules hold for a CPU target and for a GPU one (no GPU
+  compiler runs here without a GPU to measure: a GPU's plans are checked where they are
+  compiled); the TPU compiler's below them. XLA:CPU, each measured on its live
   ranges (--xla_dump_to): a weight gathered for a dot, and a broadcast of what only the inputs
   feed, start before the first layer (its scheduler hoists them); a broadcast read by several
   ops is written once and kept; an elementwise op whose operands are both smaller than its
@@ -22,6 +26,12 @@ It follows what `compiled.memory_analysis()` counts (argument + output + temp - 
   by XLA's combined all-reduce (a scattered one too) are held until it runs, and its results
   are live with them; a later dot shares the copy an earlier reader holds when their layouts
   are one; a convolution's operand laid out otherwise than NHWC/HWIO is copied transposed.
+  The TPU compiler (measured on its memory_analysis, benchmarks/memory_tpu.py and
+  tests/test_memory_tpu.py) keeps bf16 narrow, fuses the generator and every elementwise
+  value into its readers (dots and reductions too) and recomputes it there unless a reduction
+  reads it, reduces each gradient where it is made, and keeps temporaries in its cores' VMEM,
+  which memory_analysis does not count: none of XLA:CPU's rules above but the hoisted
+  gathers, the stacked ys and the fan-out copies.
 What remains (XLA's heap gaps, the rest of its schedule) is the margin (MARGIN).
 """
 
@@ -89,11 +99,14 @@ class MemoryModel:
 
         made: dict[tuple, np.ndarray] = {}  # tied layers write the same: priced once
 
-        def sizes(v, m, out_idx):
+        def sizes(v, m, out_idx, io=False):
+            # the step's inputs and outputs in the layouts the compiler stores them in
+            # (compilers.Rules.tiled); its temporaries in the layouts it picks to fit them
             value = g.values[v]
-            key = (value.shape, value.dtype, value.itemsize, p.choice_key(m), out_idx)
+            key = (value.shape, value.dtype, value.itemsize, p.choice_key(m), out_idx, io)
+            nbytes = rules.value_bytes if io else (lambda c, val, s: c.value_bytes(val, s))
             if key not in made:
-                made[key] = np.ceil([cost.value_bytes(value, p.out_spec(m, out_idx, k))
+                made[key] = np.ceil([nbytes(cost, value, p.out_spec(m, out_idx, k))
                                      for k in range(len(p.strategies[root[m]]))])
                 made[key].flags.writeable = False
             return made[key]
@@ -114,7 +127,7 @@ class MemoryModel:
         self.io: set[int] = set()  # the buffers of the step's inputs and outputs
         for i, v in enumerate(g.inputs):
             self.io.add(len(self.buffers))
-            self.buffers.append(Buffer(root[i], sizes(v, i, 0), 0, end, f"input {i}"))
+            self.buffers.append(Buffer(root[i], sizes(v, i, 0, True), 0, end, f"input {i}"))
         if p.num_inputs and rules.small_temps:
             self.buffers.append(Buffer(root[0], np.full(len(p.strategies[root[0]]),
                                                         rules.small_temps),
@@ -167,11 +180,12 @@ class MemoryModel:
                 if len(ties) < len(js):
                     # An output of its own: memory_analysis counts it for the whole program.
                     self.io.add(len(self.buffers))
-                    self.buffers.append(Buffer(root[m], sizes(v, m, k), 0, end, f"output {js}"))
+                    self.buffers.append(Buffer(root[m], sizes(v, m, k, True), 0, end,
+                                               f"output {js}"))
                 for t in ties:
                     if t not in donated:
                         self.io.add(len(self.buffers))
-                        self.buffers.append(Buffer(root[t], sizes(g.inputs[t], t, 0), 0, end,
+                        self.buffers.append(Buffer(root[t], sizes(g.inputs[t], t, 0, True), 0, end,
                                                   f"output tied to undonated input {t}"))
                     # Computed in another layout than its input's, the result is a temporary.
                     ka, kb = layouts.keys(
