@@ -23,7 +23,7 @@ from shardplan.emit.jit import emit_jit
 from shardplan.emit.pipeline import emit_pipeline
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
-from shardplan.options import DEFAULTS, SearchOptions
+from shardplan.options import DEFAULTS, SearchOptions, path_str
 from shardplan.plan import Plan, load_plan
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
@@ -169,6 +169,7 @@ class AutoStep:
         the input shardings of its one jit, or None for a pipeline)."""
         mesh = self.mesh
         o = self.options.replace(hints=hints_mod.with_boxes(self.options.hints, args))
+        hints_mod.check_mesh_axes(o.hints, mesh.axis_names)
         traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
         fp = fingerprint_mod.of_step(traced, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
@@ -263,6 +264,7 @@ class AutoStep:
 
     def __call__(self, *args, **kwargs):
         args = self._positional(args, kwargs)
+        _check_live(args, getattr(self.fn, "__name__", "the step"))
         _, run, in_shardings = self._entry(args)
         if in_shardings is not None:
             # Place the arguments on the plan's shardings first: an array's type carries its
@@ -284,6 +286,20 @@ class AutoStep:
     def plan(self, *args, **kwargs) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStructs), planned if need be."""
         return self._entry(self._positional(args, kwargs))[0]
+
+
+def _check_live(args, name: str) -> None:
+    """A ValueError naming the first argument whose buffer was deleted (donated to an earlier
+    call), before it reaches JAX, which fails on it obscurely or crashes
+    (tests/test_hardening.py::test_a_donated_array_passed_again_is_named)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+        if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                and x.is_deleted()):
+            raise ValueError(f"{name}: argument {path_str(path)} (shape {tuple(x.shape)}) is a "
+                             "deleted jax.Array: its buffer was donated to an earlier call "
+                             "(donate_argnums) or deleted. Pass what the step returned in its "
+                             "place, e.g. params, opt_state, loss = step(params, opt_state, "
+                             "batch)")
 
 
 def _adopt(plan: Plan, traced: TracedStep, mesh):

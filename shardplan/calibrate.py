@@ -37,6 +37,8 @@ from shardplan.cost import ring
 from shardplan.cost.hardware import HardwareProfile, Link
 
 KINDS = {"all-reduce": "psum", "all-gather": "all_gather", "collective-permute": "ppermute"}
+UNMEASURED_LINK = Link(bandwidth=1e11, latency=1e-6)
+"""The links of a profile measured on one device, which has none to time (its notes say so)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +61,21 @@ class Calibration:
     samples: tuple[Sample, ...]
     links: dict[str, Link]
     """The fitted link of each mesh axis."""
+    notes: tuple[str, ...] = ()
+    """What the profile holds that was not measured (a mesh of one device has no links)."""
+
+
+def check_repeats(repeats) -> int:
+    """`repeats` if it is an int >= 1 (no timed run measures nothing), else a ValueError."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1 (timed runs per measurement), "
+                         f"got {repeats!r}")
+    return repeats
 
 
 def best_time(fn: Callable, *args, repeats: int = 3) -> float:
     """Seconds of the fastest of `repeats` runs of `fn(*args)` (after one run that compiles)."""
+    check_repeats(repeats)
     jax.block_until_ready(fn(*args))
     best = math.inf
     for _ in range(repeats):
@@ -173,6 +186,7 @@ def measure_profile(mesh: jax.sharding.Mesh, *, name: str | None = None,
                     ) -> Calibration:
     """Measure the devices of `mesh` (every axis of size > 1 gets its collectives timed) and
     return the profile the planner would use for this machine."""
+    check_repeats(repeats)
     say = progress or (lambda _msg: None)
     device = mesh.devices.flat[0]
     backend = device.platform
@@ -193,7 +207,17 @@ def measure_profile(mesh: jax.sharding.Mesh, *, name: str | None = None,
     intra = [links[a] for a in links if not crosses_hosts(mesh, a)]
     inter = [links[a] for a in links if crosses_hosts(mesh, a)]
     slowest = functools.partial(min, key=lambda link: link.bandwidth)
-    intra_link = slowest(intra) if intra else (slowest(inter) if inter else Link(1e11, 1e-6))
+    notes = []
+    if links:
+        intra_link = slowest(intra) if intra else slowest(inter)
+    else:
+        # A profile needs links; with none timed it says so, in its source and in the notes
+        # `shardplan profile` prints (tests/test_hardening.py).
+        intra_link = UNMEASURED_LINK
+        notes.append(f"links NOT measured: the mesh has no axis of 2 or more devices, so "
+                     f"intra_host and inter_host are placeholders ({UNMEASURED_LINK.bandwidth:g}"
+                     f" bytes/s, {UNMEASURED_LINK.latency:g} s), not this machine's; profile a "
+                     "mesh of several devices (--devices N or --mesh) to measure them")
     inter_link = slowest(inter) if inter else intra_link
     kind = str(device.device_kind)
     profile = HardwareProfile(
@@ -206,8 +230,10 @@ def measure_profile(mesh: jax.sharding.Mesh, *, name: str | None = None,
         forms_reduce_scatter=backend != "cpu",
         source=(f"measured by `shardplan profile` on {datetime.date.today().isoformat()}: "
                 f"{mesh.devices.size} x {kind}, {jax.process_count()} process(es), "
-                f"jax {jax.__version__}; links fitted per axis {sorted(links)}"))
-    return Calibration(profile, tuple(samples), links)
+                f"jax {jax.__version__}; "
+                + (f"links fitted per axis {sorted(links)}" if links else
+                   "links NOT measured (one device: placeholders)")))
+    return Calibration(profile, tuple(samples), links, tuple(notes))
 
 
 def profile_mesh(spec: str | None, devices: int) -> jax.sharding.Mesh:

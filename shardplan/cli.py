@@ -16,9 +16,13 @@ Exit codes: see EXIT_CODES (also in `shardplan --help`, the README and docs/cli.
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -31,9 +35,11 @@ from shardplan.analysis import targets
 from shardplan.cli_render import (
     Phases,
     consoles,
+    plain,
     print_bench,
     print_profile,
     print_run,
+    shown,
     write_outputs,
 )
 from shardplan.cli_run import Infeasible, TimedOut, init_cpu_devices, run_search
@@ -42,6 +48,7 @@ from shardplan.plan import PlanFileError, load_plan
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_TIMEOUT, EXIT_BENCH_FAILED = (
     0, 1, 2, 3, 4, 5)
+EXIT_INTERRUPTED = 130
 EXIT_CODES = """\
 exit codes:
   0  planned (bench: every config planned)
@@ -50,7 +57,8 @@ exit codes:
      returning the wrong thing
   3  no plan fits the memory budget (the message says the least memory any plan needs)
   4  the search's time limit ran out before any plan was found (raise search.time_limit)
-  5  bench: some configs failed (each is named, with why, in bench.md and on stderr)"""
+  5  bench: some configs failed (each is named, with why, in bench.md and on stderr)
+  130  interrupted (Ctrl-C)"""
 
 # -- commands -------------------------------------------------------------------------------
 
@@ -65,7 +73,7 @@ def cmd_search(args) -> int:
     print_run(run, out)
     out_dir = args.out or config.output.dir
     written = write_outputs(config, run, out_dir)
-    out.print(f"wrote {', '.join(written)}")
+    out.print(f"wrote {shown(', '.join(written))}")
     return EXIT_OK
 
 
@@ -88,7 +96,7 @@ def cmd_bench(args) -> int:
     out_dir = args.out or "bench-out"
     rows = []
     for name, config in configs:
-        err.rule(f"{name}: {config.model.label} on {config.cluster.hardware}")
+        err.rule(shown(f"{name}: {config.model.label} on {config.cluster.hardware}"))
         start = time.perf_counter()
         mesh = " x ".join(map(str, config.cluster.mesh.shape or (config.cluster.mesh.devices,)))
         try:
@@ -111,11 +119,11 @@ def cmd_bench(args) -> int:
         rows.append(bench.BenchRow(name, run, seconds=time.perf_counter() - start))
     md, csv_path = bench.write_bench(rows, out_dir)
     print_bench(rows, out)
-    out.print(f"wrote {md}, {csv_path}")
+    out.print(f"wrote {shown(md)}, {shown(csv_path)}")
     failed = [r for r in rows if r.run is None]
     if failed:
-        print(f"shardplan: {len(failed)} of {len(rows)} bench configs failed: "
-              + "; ".join(f"{r.config} ({r.error})" for r in failed), file=sys.stderr)
+        print(plain(f"shardplan: {len(failed)} of {len(rows)} bench configs failed: "
+                    + "; ".join(f"{r.config} ({r.error})" for r in failed)), file=sys.stderr)
         return EXIT_BENCH_FAILED
     return EXIT_OK
 
@@ -128,13 +136,17 @@ def cmd_show(args) -> int:
     except PlanFileError as e:
         raise ConfigError(None, f"not a plan file shardplan can read: {e}") from None
     out, _ = consoles()
-    out.print(plan.summary(), markup=False, highlight=False)
+    # the summary shows the file's text inert (Plan.summary); plain() again, as a safety net
+    out.print(plain(plan.summary()), markup=False, highlight=False)
     return EXIT_OK
 
 
 def cmd_profile(args) -> int:
     if args.devices < 1:
         raise ConfigError(None, f"--devices must be >= 1, got {args.devices}")
+    if args.repeats < 1:
+        raise ConfigError(None, f"--repeats must be >= 1 (timed runs per measurement), got "
+                          f"{args.repeats}")
     init_cpu_devices(args.devices)  # before the backend starts; ignored by GPU and TPU runs
     devices = len(jax.devices())
     try:
@@ -148,7 +160,7 @@ def cmd_profile(args) -> int:
     with open(path, "w") as f:
         yaml.safe_dump(cal.profile.to_dict(), f, sort_keys=False)
     print_profile(cal, out)
-    out.print(f"wrote {path}: use it with hardware={path!r} or cluster.hardware: {path}")
+    out.print(shown(f"wrote {path}: use it with hardware={path!r} or cluster.hardware: {path}"))
     return EXIT_OK
 
 
@@ -201,16 +213,87 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse has printed the usage error
         return int(e.code or 0)
     try:
-        return args.func(args)
+        with _interrupts():
+            return args.func(args)
     except KeyboardInterrupt:
-        print("shardplan: interrupted", file=sys.stderr)
-        return 130
+        _interrupted()
+        return EXIT_INTERRUPTED  # not reached
     except Exception as e:  # noqa: BLE001 - no traceback reaches the terminal without --debug
         if args.debug:
             traceback.print_exc()
         code, text = _exit_code(e)
-        print(text, file=sys.stderr)
+        # the message quotes files and arguments: shown inert (tests/test_hardening.py)
+        print(plain(text), file=sys.stderr)
         return code
+
+
+GRACE_S = 3.0
+"""Seconds an interrupt has to unwind (its `finally` blocks remove temporary files) before
+the process ends anyway."""
+
+
+@contextlib.contextmanager
+def _interrupts():
+    """Ctrl-C ends the command with exit 130 and one line: it raises KeyboardInterrupt and the
+    stack unwinds to main. Python prints and drops an exception raised inside a callback of
+    the garbage collector (XLA's runs often), so one dropped there is raised again in the main
+    thread; and if the process has not ended within GRACE_S, a timer ends it. A second Ctrl-C
+    ends it at once. A SIGINT ignored by whoever started us (a background job) stays ignored
+    (tests/test_hardening.py::test_ctrl_c_while_compiling_exits_130)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+        yield
+        return
+    state = {"fired": False, "again": False}
+
+    def on_sigint(signum, frame):
+        if state["fired"] and not state["again"]:
+            _interrupted()  # a second Ctrl-C
+        if not state["fired"]:
+            timer = threading.Timer(GRACE_S, _interrupted)
+            timer.daemon = True
+            timer.start()
+        state.update(fired=True, again=False)
+        raise KeyboardInterrupt
+
+    def on_unraisable(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and state["fired"]:
+            state["again"] = True
+            # on_sigint again soon, from another thread: by then the main thread runs its
+            # own code, not this hook (a handler run inside the hook would be dropped too)
+            threading.Timer(0.01, _thread.interrupt_main).start()
+            return
+        previous_hook(unraisable)
+
+    previous, previous_hook = signal.signal(signal.SIGINT, on_sigint), sys.unraisablehook
+    sys.unraisablehook = on_unraisable
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+
+
+_ANNOUNCED = threading.Lock()
+
+
+def _interrupted() -> None:
+    """Say so once (from the main thread or the grace timer, whichever is first) and exit 130."""
+    if _ANNOUNCED.acquire(blocking=False):
+        print("shardplan: interrupted", file=sys.stderr)
+        _exit_now(EXIT_INTERRUPTED)
+    threading.Event().wait()  # the other is exiting the process
+
+
+def _exit_now(code: int) -> None:
+    """Flush and end the process at once. An interrupt leaves XLA compiling on its own
+    threads; tearing the interpreter down under them segfaults, so the usual exit (atexit,
+    finalizers) is skipped. The `finally` blocks between the interrupt and here have run:
+    temporary files are gone (tests/test_hardening.py::test_ctrl_c_while_compiling_exits_130)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _exit_code(e: Exception) -> tuple[int, str]:

@@ -16,10 +16,23 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shardplan import bench, report, report_plots
+from shardplan import bench, files, report, report_plots
 from shardplan.config import Config
 from shardplan.cost import ring
 from shardplan.units import fmt_bytes, fmt_seconds
+
+
+def shown(x) -> str:
+    """Text a file or the user gave (notes, names, labels, paths) for a rich console: control
+    characters shown as their escapes (files.printable), rich markup escaped, so it prints as
+    written and cannot drive the terminal (tests/test_hardening.py)."""
+    return escape(files.printable(x, keep=""))
+
+
+def plain(text: str) -> str:
+    """Text already rendered (Plan.summary) or printed with markup off: its lines kept, any
+    other control character shown as its escape."""
+    return files.printable(text, keep="\n")
 
 
 class Phases:
@@ -38,15 +51,16 @@ class Phases:
             with (Progress(*columns, console=self.console, transient=True) if live
                   else contextlib.nullcontext()) as progress:
                 if live:
-                    progress.add_task(text, total=None)
+                    progress.add_task(shown(text), total=None)
                 else:
-                    self.console.print(f"{text} ...")
+                    self.console.print(f"{shown(text)} ...")
                 yield
         except BaseException:
-            self.console.print(f"[red]x[/red] {text} (failed after "
+            self.console.print(f"[red]x[/red] {shown(text)} (failed after "
                                f"{time.perf_counter() - start:.1f} s)")
             raise
-        self.console.print(f"[green]done[/green] {text} ({time.perf_counter() - start:.1f} s)")
+        self.console.print(f"[green]done[/green] {shown(text)} "
+                           f"({time.perf_counter() - start:.1f} s)")
 
 
 def consoles(quiet: bool = False) -> tuple[Console, Console]:
@@ -59,38 +73,39 @@ def consoles(quiet: bool = False) -> tuple[Console, Console]:
 def print_run(run, console) -> None:
     """The plan's summary, its estimate against the budget, and the comparison table."""
     plan = run.plan
-    console.print(f"[bold]{escape(run.label)}[/bold] on [bold]{run.hardware}[/bold], mesh "
-                  f"[bold]{run.mesh}[/bold] ({plan.mesh.num_devices} devices), "
+    console.print(f"[bold]{shown(run.label)}[/bold] on [bold]{shown(run.hardware)}[/bold], mesh "
+                  f"[bold]{shown(run.mesh)}[/bold] ({plan.mesh.num_devices} devices), "
                   f"{run.num_params / 1e6:,.1f} M parameters, {run.dtype}")
     if len(run.meshes) > 1:
         tried = ", ".join(f"{m}: {fmt_seconds(t) if isinstance(t, float) else t}"
                           for m, t in run.meshes.items())
-        console.print(f"meshes tried (estimated step): {tried}")
-    console.print(plan.summary(), markup=False, highlight=False)
+        console.print(f"meshes tried (estimated step): {shown(tried)}")
+    console.print(plain(plan.summary()), markup=False, highlight=False)
     peak, source = run.plan_peak()
     fits = "fits" if run.fits(peak) else "DOES NOT FIT"
     console.print(f"plan: {fmt_seconds(run.plan_total())} per step, peak {fmt_bytes(peak)} "
                   f"per device ({source}) against a budget of {fmt_bytes(run.budget)}: {fits}")
     if run.priced_plan is not None or run.baselines:
-        t = Table(title=f"plan vs baselines: XLA-compiled on CPU devices, priced as {run.hardware}")
+        t = Table(title="plan vs baselines: XLA-compiled on CPU devices, priced as "
+                  f"{shown(run.hardware)}")
         for c in report.COMPARISON_HEADER:
             t.add_column(c, justify="left" if c == "program" else "right")
         for row in report.comparison_rows(run):
-            t.add_row(*(escape(c) for c in row))
+            t.add_row(*(shown(c) for c in row))
         console.print(t)
         if run.ratio() is not None:
-            console.print(run.ratio_text())
+            console.print(shown(run.ratio_text()))
     if run.verification is not None:
-        t = Table(title=f"predicted vs compiled ({run.verification.of})")
+        t = Table(title=f"predicted vs compiled ({shown(run.verification.of)})")
         for c in ("quantity", "predicted", "compiled", "compiled / predicted"):
             t.add_column(c)
         for row in report.verification_rows(run.verification):
-            t.add_row(*row)
+            t.add_row(*(shown(c) for c in row))
         for kind, (count, sent) in run.verification.collectives.items():
-            t.add_row(f"  {kind} x{count}", "", fmt_bytes(sent), "")
+            t.add_row(f"  {shown(kind)} x{count}", "", fmt_bytes(sent), "")
         console.print(t)
     for note in run.notes:
-        console.print(f"note: {escape(note)}")
+        console.print(f"note: {shown(note)}")
 
 
 def write_outputs(config: Config, run, out_dir: str) -> list[str]:
@@ -135,17 +150,17 @@ def print_bench(rows: Sequence[bench.BenchRow], console) -> None:
     for c in bench.BENCH_HEADER:
         t.add_column(c)
     for r in rows:
-        t.add_row(*(escape(c) for c in bench.bench_cells(r)))
+        t.add_row(*(shown(c) for c in bench.bench_cells(r)))
     console.print(t)
     for line in bench.summary(rows):
-        console.print(line)
+        console.print(shown(line))
 
 
 def print_profile(cal, console) -> None:
     """What `shardplan profile` measured: the profile's figures and each axis' fitted link
     against its samples (the ring model's prediction beside the measured time)."""
     p = cal.profile
-    console.print(f"[bold]{escape(p.name)}[/bold] ({p.backend}): {p.devices_per_host} devices "
+    console.print(f"[bold]{shown(p.name)}[/bold] ({p.backend}): {p.devices_per_host} devices "
                   f"per host, {fmt_bytes(p.memory_bytes)} each")
     console.print(f"  matmul: {p.peak_flops / 1e12:.3g} TFLOP/s bf16, "
                   f"{p.peak_flops_f32 / 1e12:.3g} TFLOP/s f32 per device; memory "
@@ -155,7 +170,10 @@ def print_profile(cal, console) -> None:
         link = cal.links[s.axis]
         model = (ring.latency_steps(s.kind, s.group_size) * link.latency
                  + ring.bytes_sent(s.kind, s.nbytes, s.group_size) / link.bandwidth)
-        table.add_row(f"{s.axis} ({s.group_size})", s.kind, fmt_bytes(s.nbytes),
+        table.add_row(f"{shown(s.axis)} ({s.group_size})", s.kind, fmt_bytes(s.nbytes),
                       fmt_seconds(s.seconds), fmt_seconds(model),
                       f"{link.bandwidth / 1e9:.3g} GB/s, {link.latency * 1e6:.3g} us")
-    console.print(table)
+    if cal.samples:
+        console.print(table)
+    for note in cal.notes:
+        console.print(f"[yellow]warning:[/yellow] {shown(note)}")

@@ -4,6 +4,7 @@ profile, a mesh shape or "auto"). The decorator, shardplan.auto, is shardplan.ap
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -24,6 +25,10 @@ from shardplan.strategies.spec import MeshShape
 from shardplan.units import fmt_bytes, fmt_seconds
 
 _CLUSTER = re.compile(r"(?P<profile>.+?)(?:-(?P<n>\d+))?$")
+MAX_AUTO_DEVICES = 2**20
+"""Most devices `mesh_shape="auto"` (and a config's `mesh: {devices: N}`) factorises: the
+factorisations are found by trial division, linear in the count (10**8 devices took 11 s
+before any plan); a fixed mesh_shape has no such limit."""
 
 
 def parse_cluster(cluster: str) -> tuple[HardwareProfile, int | None]:
@@ -78,12 +83,16 @@ def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
                         f"{cluster!r:.60}")
     if num_devices is not None and not (isinstance(num_devices, int) and num_devices >= 1):
         raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    if n is not None and num_devices is not None and num_devices != n:
+        raise ValueError(f"num_devices={num_devices} but cluster {cluster!r} has {n} devices: "
+                         f"give one of them")
     if mesh_shape is None or mesh_shape == "auto":
         count = num_devices or n
         if count is None:
             raise ValueError(f"cluster {cluster!r} names no device count: pass mesh_shape=(...) "
                              "or num_devices=N, or a cluster like 'tpu-v4-32'")
         if mesh_shape == "auto":
+            check_auto_devices(count)
             return _search_meshes(fn, abstract_args, hw, count, axis_names, options)
         mesh_shape = (count,)
     if (not isinstance(mesh_shape, Sequence) or isinstance(mesh_shape, str) or not mesh_shape
@@ -99,9 +108,16 @@ def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
                                                   tuple(f"axis{i}" for i in range(len(mesh_shape))))
     if len(names) != len(mesh_shape):
         raise ValueError(f"axis_names {names} and mesh_shape {mesh_shape} differ in length")
-    if num_devices is not None and num_devices != int(np.prod(mesh_shape)):
+    if num_devices is not None and num_devices != math.prod(mesh_shape):
         raise ValueError(f"num_devices={num_devices} but mesh_shape {mesh_shape} has "
-                         f"{int(np.prod(mesh_shape))} devices")
+                         f"{math.prod(mesh_shape)} devices")
+    # a mesh larger (or smaller) than the named cluster plans devices that do not exist
+    # (tests/test_hardening.py::test_a_mesh_of_another_size_than_the_cluster_is_an_error)
+    if n is not None and n != math.prod(mesh_shape):
+        raise ValueError(f"mesh_shape {mesh_shape} has {math.prod(mesh_shape)} devices, the "
+                         f"cluster {cluster!r} {n}: give a mesh of {n} devices, or name the "
+                         f"cluster with its size ('{hw.name}-{math.prod(mesh_shape)}')")
+    hints_mod.check_mesh_axes(options.hints, names)
     options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args))
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
     shape = MeshShape(names, mesh_shape)
@@ -113,6 +129,17 @@ def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
             return measure.plan_measured(t, shape, hw, o)[0]
     plan = remat_search.plan(traced, options, planner)
     return dataclasses.replace(plan, fingerprint=fingerprint.of_step(traced, shape))
+
+
+def check_auto_devices(count: int) -> int:
+    """`count` if mesh_shape="auto" can factorise it (at most MAX_AUTO_DEVICES), else the
+    ValueError saying to give the mesh's shape (tests/test_hardening.py)."""
+    if count > MAX_AUTO_DEVICES:
+        raise ValueError(f"planning every factorisation of the device count (mesh_shape="
+                         f"'auto', a config's mesh: {{devices: N}}) is for at most "
+                         f"{MAX_AUTO_DEVICES:,} devices; {count:,} is more: give the mesh's "
+                         "shape (mesh_shape=(hosts, devices_per_host), mesh: {shape: [...]})")
+    return count
 
 
 def _search_meshes(fn, abstract_args, hw: HardwareProfile, count: int,
@@ -127,6 +154,11 @@ def _search_meshes(fn, abstract_args, hw: HardwareProfile, count: int,
     best, tried, least = None, [], None
     for k, (names, sizes) in enumerate(meshes):
         label = " x ".join(f"{a}={s}" for a, s in zip(names, sizes))
+        if best is not None and time.monotonic() >= end:
+            # the time limit bounds the whole search: no mesh starts after it once a plan is
+            # found (tests/test_hardening.py::test_auto_mesh_search_stops_at_the_time_limit)
+            tried.append(f"{len(meshes) - k} more not planned (the time limit ran out)")
+            break
         share = max((end - time.monotonic()) / (len(meshes) - k), 0.5)
         try:
             plan = search(fn, *abstract_args, cluster=hw, mesh_shape=sizes, axis_names=names,

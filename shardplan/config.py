@@ -26,6 +26,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shardplan import files, models
+from shardplan.cluster import check_auto_devices
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.options import DEFAULTS, Hints, SearchOptions
 from shardplan.search import mesh_shapes
@@ -66,7 +67,10 @@ class ModelSection(_Section):
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Other fields of the model's config (num_layers, hidden, ...), checked against it."""
     entry: str | None = None
-    """"package.module:function" returning a TrainStep or (fn, args) with abstract args."""
+    """"package.module:function" returning a TrainStep or (fn, args) with abstract args.
+    The module is imported and the function called, with your permissions, as running a
+    Python script would: a config naming an entry runs that code (any importable function,
+    `os:system` too). A config is code: run only configs you trust."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for `entry`."""
 
@@ -116,6 +120,8 @@ class MeshSection(_Section):
             raise ValueError("with `devices`, give at most 2 axis names (for 1-D and 2-D meshes)")
         if self.axes is not None and len(set(self.axes)) != len(self.axes):
             raise ValueError(f"axes {list(self.axes)} repeat a name")
+        if self.devices is not None:
+            check_auto_devices(self.devices)
         return self
 
     @property

@@ -325,10 +325,18 @@ def global_args(step_or_plan, *args, local_argnums: Sequence[int] | None = None)
         if local_argnums is None:
             raise ValueError("global_args(plan, ...) needs local_argnums= (which arguments are "
                              "this process's rows of the batch); or pass the step instead")
-        plan = step_or_plan
+        local_argnums = _local_argnums(local_argnums, len(args))
+        plan = step_or_plan  # one with no device mesh says so in plan.in_shardings
     else:
+        if not (callable(getattr(step_or_plan, "plan", None))
+                and hasattr(step_or_plan, "options")):
+            raise TypeError("global_args takes the step shardplan.auto returned (or a Plan made "
+                            f"on a device mesh), got {type(step_or_plan).__name__} "
+                            f"{step_or_plan!r:.60}: wrap the function, step = "
+                            "shardplan.auto(fn, mesh=mesh)")
         if local_argnums is None:
             local_argnums = _batch_argnums(step_or_plan, args)
+        local_argnums = _local_argnums(local_argnums, len(args))
         plan = step_or_plan.plan(*global_shapes(args, local_argnums))
     local_argnums = tuple(sorted(local_argnums))
     shardings = plan.in_shardings
@@ -338,6 +346,23 @@ def global_args(step_or_plan, *args, local_argnums: Sequence[int] | None = None)
         jax.tree_util.tree_map(
             lambda x, s, local=(i in local_argnums): _global_leaf(x, s, local), a, sh)
         for i, (a, sh) in enumerate(zip(args, shardings)))
+
+
+def _local_argnums(local_argnums, count: int) -> tuple[int, ...]:
+    """`local_argnums` (an int or ints, negative from the end) as positions in 0..count-1;
+    a TypeError or ValueError saying what is wrong otherwise (an out-of-range position was
+    silently ignored: tests/test_hardening.py::test_global_args_misuse_is_named)."""
+    if isinstance(local_argnums, int) and not isinstance(local_argnums, bool):
+        local_argnums = (local_argnums,)
+    if (isinstance(local_argnums, str) or not isinstance(local_argnums, Sequence)
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in local_argnums)):
+        raise TypeError(f"local_argnums must be an int or a tuple of ints (argument positions), "
+                        f"got {type(local_argnums).__name__} {local_argnums!r:.60}")
+    bad = [i for i in local_argnums if not -count <= i < count]
+    if bad:
+        raise ValueError(f"local_argnums has {bad[0]}, but {count} arguments were given "
+                         f"(positions 0 to {count - 1})")
+    return tuple(sorted({i % count for i in local_argnums}))
 
 
 def global_shapes(args: Sequence, local_argnums: Sequence[int]) -> tuple:

@@ -47,6 +47,20 @@ def box_names(args) -> tuple[tuple[str, tuple], ...]:
     return tuple(out)
 
 
+def check_mesh_axes(hints: Hints, axis_names) -> None:
+    """A ValueError naming each logical axis rule whose mesh axes the mesh does not have: a
+    typo (`("batch", "dta")`) would otherwise leave the rule unused without a word
+    (tests/test_hardening.py::test_a_rule_naming_no_mesh_axis_is_an_error)."""
+    names = tuple(axis_names)
+    bad = [(name, axes) for name, axes in hints.logical_axis_rules
+           if any(a not in names for a in ((axes,) if isinstance(axes, str) else axes or ()))]
+    if bad:
+        shown = ", ".join(f"({name!r}, {axes!r})" for name, axes in bad)
+        raise ValueError(f"logical_axis_rules {shown} name mesh axes the mesh does not have; "
+                         f"its axes are {', '.join(map(repr, names))} (None keeps a logical "
+                         "axis unsharded)")
+
+
 def with_boxes(hints: Hints, args) -> Hints:
     """`hints` with the names the flax boxes in `args` carry (unchanged when none do)."""
     found = box_names(args)

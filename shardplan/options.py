@@ -7,6 +7,7 @@ read it (shardplan.search turns it into the intra-op planner's IntraOptions).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,31 @@ def path_str(keypath) -> str:
     if parts and parts[-1] == "value" and isinstance(keypath[-1], jax.tree_util.GetAttrKey):
         parts.pop()
     return "/".join(parts)
+
+
+def path_matches(pattern: str, path: str) -> bool:
+    """Whether the '/'-joined `path` matches the hint pattern `pattern` (Hints.pins): `**` is
+    any number of components (none too), any other component an fnmatch pattern of one.
+
+    Wildcard matching with one backtracking point (the last `**` seen): at most
+    len(components of pattern) x len(components of path) component matches, however many
+    `**` the pattern holds (tests/test_hardening.py::test_double_star_patterns_match_in_
+    polynomial_time; the same answers as the recursive definition on random cases there)."""
+    pat, parts = pattern.strip("/").split("/"), path.split("/")
+    i = j = 0
+    star, mark = -1, 0
+    while j < len(parts):
+        if i < len(pat) and pat[i] == "**":
+            star, mark = i, j
+            i += 1
+        elif i < len(pat) and fnmatch.fnmatchcase(parts[j], pat[i]):
+            i, j = i + 1, j + 1
+        elif star >= 0:  # let the last `**` take one more component, retry after it
+            mark += 1
+            i, j = star + 1, mark
+        else:
+            return False
+    return all(p == "**" for p in pat[i:])
 
 
 def partition_spec(spec) -> PartitionSpec:
@@ -173,6 +199,8 @@ class SearchOptions:
 
     def __post_init__(self):
         object.__setattr__(self, "hints", Hints.of(self.hints))
+        # a budget given directly is checked as `make` checks it (10**400 is a ValueError)
+        object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
         if self.hints and self.pipeline in (True, "spmd", "mpmd"):
             raise ValueError("hints pin the shardings of one program; pipeline stages do not "
                              "take them: pass pipeline=False (or 'auto', which then plans one "

@@ -11,17 +11,26 @@ _BYTES = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+MAX_BYTES = 2**63 - 1
+"""The largest memory size read (8 EiB): past it a number is a mistake, and it would not fit
+the int64 that XLA and the solver count bytes in."""
+
+
 def parse_bytes(x: float | str | None) -> int | None:
     """An int of bytes from an int or a string like "16GiB" or "500 MB"; None stays None."""
     if x is None:
         return None
     if isinstance(x, bool):
         raise TypeError(f"memory size must be a number of bytes or a string like '16GiB', got {x!r}")
+    if isinstance(x, int) and x > MAX_BYTES:  # 10**400 is no float (tests/test_hardening.py)
+        raise ValueError(_too_large(x))
     if isinstance(x, (int, float)):
         if not math.isfinite(x):
             raise ValueError(f"memory size must be a finite number of bytes, got {x!r}")
         if x < 1:
             raise ValueError(f"memory size must be at least 1 byte, got {x!r}")
+        if x > MAX_BYTES:
+            raise ValueError(_too_large(x))
         return int(x)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(x))
     if not m or m.group(2).lower() not in _BYTES:
@@ -32,7 +41,16 @@ def parse_bytes(x: float | str | None) -> int | None:
         raise ValueError(f"memory size must be a finite number of bytes, got {x!r}")
     if value < 1:
         raise ValueError(f"memory size must be at least 1 byte, got {x!r}")
+    if value > MAX_BYTES:
+        raise ValueError(_too_large(x))
     return int(value)
+
+
+def _too_large(x) -> str:
+    text = (f"about 2**{x.bit_length() - 1}" if isinstance(x, int) else
+            f"{x:.3g}" if isinstance(x, float) else repr(x))
+    return (f"memory size {text} bytes is more than any device has (at most 2**63 - 1, "
+            "8 EiB): give bytes per device, e.g. 16 * 2**30 or '16GiB'")
 
 
 def fmt_bytes(n: float) -> str:

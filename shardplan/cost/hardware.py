@@ -72,9 +72,12 @@ class HardwareProfile:
             )
         for field in ("peak_flops", "peak_flops_f32", "memory_bytes", "mem_bandwidth"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            # .inf flops would price every step at 0 s (tests/test_hardening.py)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not (value > 0 and math.isfinite(value))):
                 raise ValueError(
-                    f"profile {self.name!r}: {field} must be a positive number, got {value!r}"
+                    f"profile {self.name!r}: {field} must be a positive number, not infinite "
+                    f"or NaN, got {value!r}"
                 )
         if not isinstance(self.devices_per_host, int) or self.devices_per_host < 1:
             raise ValueError(
@@ -100,7 +103,10 @@ class HardwareProfile:
         is its host. Default: 0..n-1, so minor mesh axes stay inside a host.
         """
         n = mesh.num_devices
-        order = list(range(n)) if device_order is None else [int(d) for d in device_order]
+        if device_order is None:
+            return {name: self.intra_host if self._one_host(mesh, i, n) else self.inter_host
+                    for i, name in enumerate(mesh.names)}
+        order = [int(d) for d in device_order]
         if len(order) != n:
             raise ValueError(f"device_order has {len(order)} devices, the mesh {mesh} has {n}")
         hosts = [d // self.devices_per_host for d in order]
@@ -114,6 +120,18 @@ class HardwareProfile:
             )
             out[name] = self.intra_host if inside else self.inter_host
         return out
+
+    def _one_host(self, mesh: MeshShape, i: int, n: int) -> bool:
+        """Whether every group along axis `i` of `mesh`, devices 0..n-1 in row-major order,
+        sits on one host, in O(1) at any n (a mesh of 10**8 devices is planned in seconds):
+        a block of stride x size consecutive devices holds whole groups and its first and
+        last device share a group's row span, so the groups stay inside hosts iff every
+        block does (the loop of axis_links agrees on random meshes:
+        tests/test_hardening.py::test_axis_links_closed_form_agrees_with_the_devices)."""
+        size = mesh.sizes[i]
+        block = math.prod(mesh.sizes[i:])
+        dph = self.devices_per_host
+        return size == 1 or n <= dph or (block <= dph and dph % block == 0)
 
     def flops_for(self, dtype: Any) -> float:
         """Peak flop/s of one device for arithmetic in `dtype` (a numpy/JAX dtype or its name).
@@ -195,9 +213,12 @@ class HardwareProfile:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, where: str = "profile") -> HardwareProfile:
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "profile",
+                  bases: tuple[str, ...] = ()) -> HardwareProfile:
         """From plain data with the same field names (links as {bandwidth, latency} maps).
-        `base: <known profile>` starts from that profile and overrides the fields given."""
+        `base: <known profile or .yaml path>` starts from that profile (a path relative to the
+        file `where`) and overrides the fields given; `bases` are the files whose `base:` led
+        here, and naming one of them again is a cycle (a ValueError naming the files)."""
         data = dict(data)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields - {"base"})
@@ -206,7 +227,13 @@ class HardwareProfile:
                 f"{where}: unknown field(s) {unknown}; allowed: {sorted(fields | {'base'})}"
             )
         if "base" in data:
-            start = get_profile(str(data.pop("base"))).to_dict()
+            base = _relative_to(str(data.pop("base")), where)
+            chain = (*bases, where)
+            if os.path.isfile(base) and os.path.realpath(base) in map(os.path.realpath, chain):
+                raise ValueError(f"{where}: `base: {base}` makes a cycle of profiles "
+                                 f"({' -> '.join((*chain, base))}); name a profile that does "
+                                 "not lead back here")
+            start = get_profile(base, bases=chain).to_dict()
             start["source"] = ""
             start.update(data)
             data = start
@@ -219,33 +246,48 @@ class HardwareProfile:
             for key in ("intra_host", "inter_host"):
                 link = data[key]
                 if not isinstance(link, Link):
+                    if not isinstance(link, Mapping):
+                        raise TypeError(f"{key} must be a mapping {{bandwidth, latency}}, "
+                                         f"got {link!r:.60}")
                     extra = sorted(set(link) - {"bandwidth", "latency"})
                     if extra:
                         raise ValueError(
                             f"unknown link field(s) {extra}; allowed: bandwidth, latency"
                         )
-                    data[key] = Link(_number(link["bandwidth"]), _number(link["latency"]))
+                    data[key] = Link(_number(link["bandwidth"], f"{key}.bandwidth"),
+                                     _number(link["latency"], f"{key}.latency"))
             for key in ("peak_flops", "peak_flops_f32", "mem_bandwidth"):
-                data[key] = _number(data[key])
-            data["memory_bytes"] = int(_number(data["memory_bytes"]))
-            data["devices_per_host"] = int(data["devices_per_host"])
+                data[key] = _number(data[key], key)
+            data["memory_bytes"] = int(_number(data["memory_bytes"], "memory_bytes"))
+            data["devices_per_host"] = int(_number(data["devices_per_host"], "devices_per_host"))
             data["forms_reduce_scatter"] = _boolean(data["forms_reduce_scatter"])
             data["name"] = str(data["name"])
             data["backend"] = str(data["backend"])
             data["source"] = str(data.get("source", ""))
             return cls(**data)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"{where}: {e}") from e
 
 
-def _number(x: Any) -> float:
+def _number(x: Any, field: str) -> float:
     # PyYAML reads "1e11" (no dot) as a string, so accept numeric strings too
     if isinstance(x, bool):
-        raise TypeError(f"expected a number, got {x!r}")
+        raise TypeError(f"{field} must be a number, got {x!r}")
     try:
-        return float(x)
-    except (TypeError, ValueError):
-        raise ValueError(f"expected a number, got {x!r}") from None
+        value = float(x)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{field} must be a number, got {x!r:.60}") from None
+    if not math.isfinite(value):  # YAML's .inf / .nan (tests/test_hardening.py)
+        raise ValueError(f"{field} must be a finite number, got {x!r:.60}")
+    return value
+
+
+def _relative_to(base: str, where: str) -> str:
+    """A relative .yaml `base` as a path from the directory of the profile file `where`."""
+    if (base.endswith((".yaml", ".yml")) and not os.path.isabs(base)
+            and where.endswith((".yaml", ".yml"))):
+        return os.path.join(os.path.dirname(where), base)
+    return base
 
 
 def _boolean(x: Any) -> bool:
@@ -348,8 +390,10 @@ PROFILES: dict[str, HardwareProfile] = {
     row[0]: HardwareProfile(*row, source=_SOURCES[row[0]]) for row in _ROWS}
 
 
-def get_profile(name_or_path: str | os.PathLike) -> HardwareProfile:
-    """A known profile by name, or one loaded from a YAML file with HardwareProfile's fields."""
+def get_profile(name_or_path: str | os.PathLike, *, bases: tuple[str, ...] = ()
+                ) -> HardwareProfile:
+    """A known profile by name, or one loaded from a YAML file with HardwareProfile's fields
+    (`bases`: the profile files whose `base:` named this one, see HardwareProfile.from_dict)."""
     key = os.fspath(name_or_path)
     if key in PROFILES:
         return PROFILES[key]
@@ -359,7 +403,7 @@ def get_profile(name_or_path: str | os.PathLike) -> HardwareProfile:
         data = files.load_yaml(key, "hardware profile")  # FileError names the file
         if not isinstance(data, Mapping):
             raise ValueError(f"{key}: a hardware profile file must hold a mapping of fields")
-        return HardwareProfile.from_dict(data, where=key)
+        return HardwareProfile.from_dict(data, where=key, bases=bases)
     raise ValueError(
         f"unknown hardware profile {key!r}; known: {', '.join(sorted(PROFILES))} "
         "(or give the path of a .yaml file with the same fields)"
