@@ -355,3 +355,16 @@ def test_exit_130_is_in_the_help_and_the_readme(capsys):
     assert "\n  130  interrupted (Ctrl-C)" in capsys.readouterr().out
     with open(os.path.join(ROOT, "README.md")) as f:
         assert "| 130 |" in f.read()
+
+
+def test_hint_patterns_as_the_planner_matches_them_are_linear():
+    """intra.hints.matches (what the ILP's pins use) is options.path_matches: 40 `**` against
+    a 60-deep path answers at once instead of exploring every split."""
+    import time
+
+    from shardplan.intra import hints as intra_hints
+
+    start = time.perf_counter()
+    assert not intra_hints.matches("**/" * 40 + "b", "/".join(["a"] * 60) + "/c")
+    assert intra_hints.matches("params/**/kernel", "params/block_0/attn/kernel")
+    assert time.perf_counter() - start < 1.0

@@ -4,11 +4,11 @@ shapes and the mesh; the flax-specific reading of names is shardplan.hints'."""
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
+from shardplan import options
 from shardplan.options import Hints
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
@@ -17,16 +17,9 @@ Axes = str | tuple[str, ...] | None
 
 def matches(pattern: str, path: str) -> bool:
     """Whether the '/'-joined `path` matches the glob `pattern`: `**` is any number of
-    components (none too), any other component is an fnmatch pattern of one component."""
-    return _match(tuple(pattern.strip("/").split("/")), tuple(path.split("/")))
-
-
-def _match(pat: tuple[str, ...], parts: tuple[str, ...]) -> bool:
-    if not pat:
-        return not parts
-    if pat[0] == "**":
-        return any(_match(pat[1:], parts[k:]) for k in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and _match(pat[1:], parts[1:])
+    components (none too), any other component is an fnmatch pattern of one component; in
+    time linear in the pattern's and the path's components (options.path_matches)."""
+    return options.path_matches(pattern, path)
 
 
 def logical_to_mesh(names: Sequence[Axes], rules: Sequence[tuple[str, Axes]],
