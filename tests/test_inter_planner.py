@@ -1,6 +1,8 @@
 """The pipeline planner: cost tables from layer ILPs, the stage choice against pure intra-op
 on slow and fast links, and a pipelined GPT against the single-device step."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from shardplan import timeline
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.emit.pipeline import emit_pipeline
+from shardplan.fingerprint import Fingerprint
 from shardplan.grad import value_and_grad
 from shardplan.inter import planner
 from shardplan.models import base
@@ -77,7 +80,9 @@ def test_plan_round_trip_and_forced_stage_errors(mesh8, tmp_path):
     step, args, _ = mlp_step(num_layers=4, width=16, batch=8)
     pp = planner.plan_pipeline(step, args, mesh8, SLOW,
                                SearchOptions(num_stages=2, num_micro_batches=2))
-    plan = pipeline_plan(pp, SLOW)
+    # a plan file records the step it was made for (load_plan refuses one without)
+    plan = dataclasses.replace(pipeline_plan(pp, SLOW),
+                               fingerprint=Fingerprint("inputs", "function", "mesh"))
     path = tmp_path / "plan.json"
     plan.save(path)
     again = load_plan(path)

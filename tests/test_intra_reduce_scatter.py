@@ -111,8 +111,12 @@ def _planned(fn, args, mesh, hw, fixed):
 def _same_numbers(lowered, fn, args, tol):
     real = [jax.random.normal(k, a.shape) for k, a in zip(jax.random.split(jax.random.key(0)),
                                                            args)]
-    np.testing.assert_allclose(np.asarray(lowered.compile()(*real)),
-                               np.asarray(jax.jit(fn)(*real)), rtol=tol, atol=tol)
+    # float32 sums of thousands of terms in another order differ by a share of the terms'
+    # size, not of the result's: a result near 0 among results near 100 is off by 1e-4 (seen
+    # on 2 of 17,028 elements), so the absolute tolerance scales with the largest result
+    want = np.asarray(jax.jit(fn)(*real))
+    np.testing.assert_allclose(np.asarray(lowered.compile()(*real)), want, rtol=tol,
+                               atol=tol * float(np.abs(want).max()))
 
 
 def _read_twice(w, x):

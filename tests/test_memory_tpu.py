@@ -48,7 +48,9 @@ GAPS = {
 
 def _case(name, expert=None):
     gap = GAPS.get((name, expert))
-    return pytest.param(name, marks=pytest.mark.xfail(reason=gap, strict=False)) if gap else name
+    # a known gap compiles for a minute and is expected to fail: `make test-all` runs it
+    marks = [pytest.mark.xfail(reason=gap, strict=False), pytest.mark.slow]
+    return pytest.param(name, marks=marks) if gap else name
 
 
 def _peak(lowered) -> int:

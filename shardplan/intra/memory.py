@@ -241,15 +241,12 @@ class MemoryModel:
         for mk in self.masks:
             self.copies += masks.ilp_copies(mk)
         self._add_operand_copies(is_tensor, lay, frozenset(counted))
-        # Temporaries the compiler keeps on chip: the rows count the live set less them (the
-        # buffers live throughout go to the ILP's base), peak() never below the inputs and
-        # outputs alone.
-        self.on_chip = None
-        if rules.on_chip_bytes and p.num_inputs:
-            self.on_chip = len(self.buffers)
-            self.buffers.append(Buffer(root[0], np.full(len(p.strategies[root[0]]),
-                                                        -rules.on_chip_bytes),
-                                       0, end, "temporaries held on chip"))
+        # Temporaries the compiler keeps on chip: peak() counts the temporaries beyond them,
+        # never below the inputs and outputs alone; the ILP's rows count every buffer against
+        # the budget plus them (on_chip_allowance). A negative buffer in the rows instead
+        # made the least-memory bound negative and every budget infeasible
+        # (tests/test_targets.py::test_the_cli_names_the_tpu_compiler_and_rejects_a_slice_it_does_not_know).
+        self.on_chip_allowance = float(rules.on_chip_bytes) if p.num_inputs else 0.0
 
     def _add_operand_copies(self, is_tensor, lay, counted: frozenset[int]) -> None:
         p = self.problem
@@ -413,8 +410,6 @@ class MemoryModel:
         bits and reshards as XLA holds them once every layout is known (masks.py)."""
         items = [(b.start, b.end, float(b.nbytes[root_choice[b.root]]), b.what)
                  for b in self.buffers]
-        if self.on_chip is not None:  # peak() subtracts it from the temporaries alone
-            items[self.on_chip] = (0, 0, 0.0, self.buffers[self.on_chip].what)
         for o in self.originals:  # an activation read only through copies (originals.py)
             b = self.buffers[o.buffer]
             items[o.buffer] = (b.start, originals.evaluate(o, b.end, root_choice),
@@ -444,12 +439,12 @@ class MemoryModel:
         np.add.at(change, starts.astype(int), sizes)
         np.add.at(change, ends.astype(int) + 1, -sizes)
         total = np.cumsum(change)
-        if self.on_chip is None:
+        if not self.on_chip_allowance:
             return max(0.0, float(total.max()))
         io = np.zeros_like(change)
         for i in self.io:
             io[items[i][0]] += items[i][2]
             io[items[i][1] + 1] -= items[i][2]
         io = np.cumsum(io)
-        temps = np.maximum(total - io - self.rules.on_chip_bytes, 0.0)
+        temps = np.maximum(total - io - self.on_chip_allowance, 0.0)
         return max(0.0, float((io + temps).max()))

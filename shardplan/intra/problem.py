@@ -414,7 +414,9 @@ class Problem(ReshardPrices):
         budget = self.options.memory_budget
         base = rows = copies = row_copies = ()
         if budget is not None:
-            base, rows, copies, row_copies = self.memory().solver_terms(self.index)
+            memory = self.memory()
+            base, rows, copies, row_copies = memory.solver_terms(self.index)
+            budget += memory.on_chip_allowance  # the rows count what the chip holds on chip
         return ilp.SolverInput(node_costs, edge_list, rows, budget, self.options.time_limit_s,
                                self.options.seed, self.options.workers,
                                hint=(0,) * len(self.reps) + (1,) * len(hub_costs)
