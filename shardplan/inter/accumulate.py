@@ -1,0 +1,283 @@
+"""Gradient accumulation: a train step run as M micro-batches, then its update once.
+
+The step is cut at its gradient call (shardplan.inter.split: the step must take its gradient
+with shardplan.value_and_grad / shardplan.grad). What comes before the call and depends on
+the state only (the differentiated arguments, casts of the parameters) runs once; the loss
+function and its gradient run as a `jax.lax.scan` over M micro-batches of the batch
+arguments, the loss, aux outputs and gradients summed in accumulators of at least float32;
+the update (the rest of the step) runs once on the reduced values. The result is an ordinary
+step with a scan, which the planner plans like any other (its body once, M trips).
+
+How the micro-batch results combine into the step's is the step's `reduction`:
+
+- "mean" (the default): the loss is a mean over the batch. Micro-batches are equal (the batch
+  divides by M), so the mean of their means is the batch's mean: everything is summed and
+  divided by M.
+- "sum": the loss is a sum over the batch: everything is summed.
+- a callable `weight(*args)`, called with the step's arguments cut to one micro-batch,
+  returning a scalar: the loss is a weighted mean whose normaliser differs between
+  micro-batches (a mean over the unmasked tokens): everything is combined as
+  sum_k w_k x_k / sum_k w_k, which is the batch's weighted mean when w_k is micro-batch k's
+  total weight (its count of unmasked tokens).
+
+tests/test_accumulate.py shows each equal to the plain step, and "mean" wrong for the other
+two. A micro-batch holds every M-th row of the batch (rows k, k + M, ...): a batch sharded
+along its rows keeps each device's rows on that device in every micro-batch.
+
+Random numbers drawn inside the loss function (dropout) are drawn per micro-batch from the
+same key, so they differ from the plain step's; the numerics are equal for a deterministic
+loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardplan.inter import split as split_mod
+from shardplan.ir import interpret
+from shardplan.ir.trace import TracedStep, trace
+from shardplan.strategies.spec import MeshShape
+
+Reduction = str | Callable[..., Any]
+"""How micro-batch results combine: "mean", "sum" or a weight function (module docstring)."""
+
+REDUCTIONS = ("mean", "sum")
+
+
+class AccumulationError(ValueError):
+    """The step cannot run as micro-batches; the message says why and what to do."""
+
+
+def accumulate(fn: Callable, num_micro_batches: int, *, reduction: Reduction = "mean",
+               state_argnums: Sequence[int] | None = None,
+               batch_argnums: Sequence[int] | None = None) -> Callable:
+    """`fn` run as `num_micro_batches` micro-batches: a step with fn's arguments and outputs.
+
+    Args:
+      fn: a train step taking its gradient with shardplan.value_and_grad / shardplan.grad,
+        once, at its top level.
+      num_micro_batches: M; the batch's leading dimension must divide by it. M = 1 gives
+        `fn` itself.
+      reduction: "mean", "sum" or a weight function (see the module docstring).
+      state_argnums, batch_argnums: as for shardplan.auto; the batch leaves split into
+        micro-batches are shardplan.inter.split.micro_batch_leaves(traced, batch_argnums).
+
+    The step is split when first called (or traced) for each signature of its arguments.
+    """
+    m = check_micro_batches(num_micro_batches)
+    check_reduction(reduction)
+    if m == 1:
+        return fn
+    splits: dict[tuple, split_mod.SplitStep] = {}
+
+    @functools.wraps(fn)
+    def accumulated_step(*args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves))
+        if key not in splits:
+            splits[key] = split(fn, args, m, state_argnums=state_argnums,
+                                batch_argnums=batch_argnums)
+        s = splits[key]
+        outs = run_accumulated(s, reduction, leaves)
+        return jax.tree_util.tree_unflatten(s.traced.out_tree, outs)
+
+    accumulated_step.__name__ = accumulated_step.__qualname__ = (
+        f"{getattr(fn, '__name__', 'step')}_accumulated_{m}")
+    return accumulated_step
+
+
+def accumulated(fn: Callable, args: Sequence, num_micro_batches: int, *,
+                reduction: Reduction = "mean", state_argnums: Sequence[int] | None = None,
+                batch_argnums: Sequence[int] | None = None) -> TracedStep:
+    """The traced step of `accumulate(fn, num_micro_batches, ...)` on `args` (arrays or
+    ShapeDtypeStructs): the same inputs, outputs and roles as fn's own trace, its gradient
+    part a scan of M trips."""
+    step = accumulate(fn, num_micro_batches, reduction=reduction,
+                      state_argnums=state_argnums, batch_argnums=batch_argnums)
+    return trace(step, args, state_argnums, batch_argnums)
+
+
+def split(fn: Callable, args: Sequence, num_micro_batches: int, *,
+          state_argnums: Sequence[int] | None = None,
+          batch_argnums: Sequence[int] | None = None) -> split_mod.SplitStep:
+    """fn split at its gradient call for M micro-batches, or an AccumulationError naming what
+    to change."""
+    m = check_micro_batches(num_micro_batches)
+    try:
+        s = split_mod.split_step(fn, args, num_micro_batches=m, state_argnums=state_argnums,
+                                 batch_argnums=batch_argnums)
+    except split_mod.PipelineSplitError as e:
+        raise AccumulationError(f"gradient accumulation over {m} micro-batches: {e}") from e
+    if not s.micro_leaves:
+        raise AccumulationError(f"gradient accumulation over {m} micro-batches: the step has "
+                                "no batch argument to split; pass batch_argnums=(...)")
+    return s
+
+
+def check_micro_batches(num_micro_batches) -> int:
+    if (isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, (int, np.integer))
+            or num_micro_batches < 1):
+        raise ValueError(f"num_micro_batches={num_micro_batches!r}: give a positive int")
+    return int(num_micro_batches)
+
+
+def check_reduction(reduction: Reduction) -> None:
+    if not (reduction in REDUCTIONS if isinstance(reduction, str) else callable(reduction)):
+        raise ValueError(f"reduction={reduction!r}: use 'mean' (a loss averaged over the batch), "
+                         "'sum' (summed over it) or a function of the micro-batch's arguments "
+                         "returning its weight (a mean over a varying count of examples)")
+
+
+# -- the accumulated computation ----------------------------------------------------------------
+
+
+def accumulator_dtype(dtype) -> np.dtype:
+    """The dtype values of `dtype` are summed in: the wider of float32 and their own."""
+    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
+def micro_batches(x, m: int):
+    """(B, ...) -> (M, B / M, ...): micro-batch k holds rows k, k + M, k + 2M, ..."""
+    return jnp.swapaxes(jnp.reshape(x, (x.shape[0] // m, m, *x.shape[1:])), 0, 1)
+
+
+def run_accumulated(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequence) -> list:
+    """The step's flat outputs from its flat inputs `leaves`: the loss function and gradient
+    as a scan over s.num_micro_batches micro-batches, the update once."""
+    g, m = s.forward, s.num_micro_batches
+    micro = set(s.micro_leaves)
+    for i in s.micro_leaves:
+        if np.shape(leaves[i])[0] % m:
+            raise AccumulationError(
+                f"input {s.traced.arg_info.input_names[i]} has leading (batch) dimension "
+                f"{np.shape(leaves[i])[0]}, not divisible by {m} micro-batches; choose a "
+                "divisor (micro_batch_choices)")
+
+    # Before the gradient call, from the state only: run once.
+    env = {v: leaves[i] for i, v in enumerate(g.inputs) if i not in micro}
+    env.update((v, g.values[v].const) for v in g.consts)
+    interpret.evaluate(g, s.pre_nodes, env, identity=split_mod.is_marker)
+
+    made = {v for nid in s.body for v in g.nodes[nid].outputs}
+    micro_vids = [g.inputs[i] for i in s.micro_leaves]
+    diff = list(dict.fromkeys(s.diff_values))
+    reads = sorted({v for nid in s.body for v in g.nodes[nid].inputs} | set(g.outputs))
+    consts = [v for v in reads if v not in made and v not in diff and v not in micro_vids
+              and not g.values[v].is_literal and v not in g.consts]
+    run = split_mod.eval_nodes(g, s.body, (*diff, *consts, *micro_vids), g.outputs)
+    const_vals = [env[v] for v in consts]
+    diff_vals = [env[v] for v in diff]
+    weigh = _weight_fn(s, reduction, leaves)
+
+    def loss_and_grads(xs):
+        def f(*d):
+            outs = run(*d, *const_vals, *xs)
+            return outs[0], outs[1:]
+
+        loss, vjp, aux = jax.vjp(f, *diff_vals, has_aux=True)
+        grads = vjp(jnp.ones_like(loss))
+        return [loss, *aux, *grads]
+
+    zero = [jnp.zeros(g.values[v].shape, accumulator_dtype(g.values[v].dtype))
+            for v in (*g.outputs, *diff)]
+
+    def body(acc, xs):
+        w = weigh(xs)
+        vals = loss_and_grads(list(xs))
+        acc_vals, acc_w = acc
+        new = [a + (w * x.astype(a.dtype) if w is not None else x.astype(a.dtype))
+               for a, x in zip(acc_vals, vals)]
+        return (new, acc_w + (w if w is not None else 0.0)), None
+
+    xs = [micro_batches(leaves[i], m) for i in s.micro_leaves]
+    (sums, total), _ = jax.lax.scan(body, (zero, jnp.zeros((), jnp.float32)), xs)
+    if reduction == "sum":
+        reduced = sums
+    else:
+        denom = total if callable(reduction) else m
+        reduced = [x / jnp.asarray(denom, x.dtype) for x in sums]
+    dtypes = [g.values[v].dtype for v in (*g.outputs, *diff)]
+    reduced = [x.astype(dt) for x, dt in zip(reduced, dtypes)]
+    n_out = len(g.outputs)
+    loss, aux, by_value = reduced[0], reduced[1:n_out], dict(zip(diff, reduced[n_out:]))
+    grads = [by_value[v] for v in s.diff_values]
+
+    u = s.update
+    update = split_mod.eval_nodes(u, sorted(split_mod.ancestors(u, u.outputs)), u.inputs,
+                                  u.outputs)
+    return update(*leaves, loss, *aux, *grads)
+
+
+def _weight_fn(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequence):
+    """xs (the micro-batch leaves) -> micro-batch weight (float32 scalar), or None when every
+    micro-batch weighs 1 (mean, sum)."""
+    if not callable(reduction):
+        return lambda xs: None
+    slots = list(s.micro_leaves)
+
+    def weigh(xs):
+        flat = list(leaves)
+        for i, x in zip(slots, xs):
+            flat[i] = x
+        w = reduction(*jax.tree_util.tree_unflatten(s.traced.in_tree, flat))
+        if np.shape(w) != ():
+            raise AccumulationError(f"the reduction's weight function returned shape "
+                                    f"{np.shape(w)}; it must return a scalar (the micro-batch's "
+                                    "total weight, such as its count of unmasked tokens)")
+        return jnp.asarray(w, jnp.float32)
+
+    return weigh
+
+
+# -- what the driver tries -----------------------------------------------------------------------
+
+
+def batch_size(traced: TracedStep, batch_argnums: Sequence[int] | None = None) -> int | None:
+    """The leading dimension the batch leaves share (what micro-batches divide), or None
+    when the step has no batch leaf."""
+    leaves = split_mod.micro_batch_leaves(traced, batch_argnums)
+    sizes = {traced.in_avals[i].shape[0] for i in leaves}
+    if not sizes:
+        return None
+    if len(sizes) > 1:
+        raise AccumulationError(f"the batch arguments have leading dimensions {sorted(sizes)}; "
+                                "micro-batches need one batch size: pass batch_argnums=(...)")
+    return sizes.pop()
+
+
+def data_parallel_width(batch: int, mesh_shape) -> int:
+    """The most devices a batch of `batch` rows splits over evenly: the largest product of a
+    subset of the mesh's axes dividing it."""
+    sizes = _mesh_sizes(mesh_shape)
+    widths = {math.prod(c) for r in range(len(sizes) + 1)
+              for c in itertools.combinations(sizes, r)}
+    return max(w for w in widths if batch % w == 0)
+
+
+def micro_batch_choices(traced: TracedStep, mesh_shape,
+                        batch_argnums: Sequence[int] | None = None) -> list[int]:
+    """The numbers of micro-batches M worth planning for `traced` on a mesh of `mesh_shape`
+    (a MeshShape, jax Mesh or tuple of axis sizes), ascending from 1: M divides the batch B,
+    and each micro-batch still splits over as many devices as the whole batch does
+    (B / M is a multiple of data_parallel_width(B, mesh)). [1] for a step without batch."""
+    b = batch_size(traced, batch_argnums)
+    if not b:
+        return [1]
+    width = data_parallel_width(b, mesh_shape)
+    return [m for m in range(1, b // width + 1) if b % (m * width) == 0]
+
+
+def _mesh_sizes(mesh_shape) -> tuple[int, ...]:
+    if isinstance(mesh_shape, MeshShape):
+        return tuple(mesh_shape.sizes)
+    if hasattr(mesh_shape, "axis_names"):
+        return tuple(MeshShape.of(mesh_shape).sizes)
+    return tuple(int(n) for n in mesh_shape)
