@@ -208,7 +208,7 @@ def test_the_use_this_plan_snippet_runs_for_a_zoo_model(tmp_path, monkeypatch, d
     assert "donate_argnums=(0, 1)" in code and "get_model('mlp', 'tiny'" in code
     monkeypatch.chdir(out)
     ns: dict = {}
-    exec(compile(code, "report.md", "exec"), ns)
+    exec(compile(code, "report.md", "exec"), ns)  # noqa: S102 - the snippet, run as written
     assert ns["loss"].shape == () and bool(ns["loss"] > 0)
     step_plan = ns["step"].plan(ns["params"], ns["opt_state"], ns["batch"])
     assert step_plan.in_specs == ns["plan"].in_specs
@@ -244,7 +244,7 @@ def make():
     ts = twoargs.make()
     monkeypatch.chdir(out)
     ns = dict(zip(("weights", "momentum", "inputs", "scale"), ts.args), train_step=ts.fn)
-    exec(compile(code, "report.md", "exec"), ns)
+    exec(compile(code, "report.md", "exec"), ns)  # noqa: S102 - the snippet, run as written
     want = ts.fn(*twoargs.make().args)
     assert float(ns["loss"]) == pytest.approx(float(want[2]), rel=1e-5)
 
