@@ -59,6 +59,9 @@ CASES = [
                                            (XH, jnp.ones((3, 3, 1, 16))), CONV, -1)),
     ("depthwise_input_grad", lambda: _nth(jax.grad(_nhwc_loss(16)),
                                           (XH, jnp.ones((3, 3, 1, 16))), CONV, -1)),
+    # the input gradient's kernel: a reshape that transposes (its `dimensions`) as it goes
+    ("depthwise_kernel_reshape", lambda: _nth(jax.grad(_nhwc_loss(16)),
+                                              (XH, jnp.ones((3, 3, 1, 16))), "reshape", 1)),
     ("grouped_weight_grad", lambda: _nth(jax.grad(_nhwc_loss(8), argnums=1),
                                          (XH, jnp.ones((3, 3, 2, 16))), CONV, -1)),
     ("grouped_input_grad", lambda: _nth(jax.grad(_nhwc_loss(4)),
@@ -135,6 +138,15 @@ def test_depthwise_weight_gradient_splits_channels_or_sums_the_batch():
     assert s.in_specs == (ShardSpec((("data",), (), (), ("model",))),) * 2
     assert s.out_specs[0] == ShardSpec.split(4, 3, "model").with_partial(("data",))
     assert "conv in:model" not in by_name  # data left idle: XLA sums over it too
+
+
+def test_depthwise_kernel_reshape_keeps_the_channel_split():
+    """The depthwise input gradient reshapes the kernel [3, 3, 1, C] -> [3, 3, 1, C, 1] ->
+    (transposed by `dimensions`) [3, 3, C, 1]: a channel split follows the channels."""
+    graph, node = _nth(jax.grad(_nhwc_loss(16)), (XH, jnp.ones((3, 3, 1, 16))), "reshape", 1)
+    assert node.params["dimensions"] is not None
+    outs = {s.in_specs[0]: s.out_specs[0] for s in registry.strategies_for(node, graph, MESH)}
+    assert outs[ShardSpec.split(5, 3, "model")] == ShardSpec.split(4, 2, "model")
 
 
 def test_pooling_keeps_windowed_dimensions_whole():

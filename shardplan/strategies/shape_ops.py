@@ -71,12 +71,17 @@ def reshape_map(in_shape, out_shape) -> dict[int, int]:
 
 
 def reshape_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
-    """Splits that survive the reshape (see reshape_map); others are refused."""
-    if len(node.inputs) != 1 or node.params.get("dimensions") is not None:
+    """Splits that survive the reshape (see reshape_map); others are refused. A reshape with
+    `dimensions` transposes its operand by them first (the kernel of a depthwise
+    convolution's input gradient: tests/test_strategies_conv.py)."""
+    if len(node.inputs) != 1:
         return []
     in_shape = graph.value(node.inputs[0]).shape
     out_shape = graph.value(node.outputs[0]).shape
-    where = reshape_map(in_shape, out_shape)
+    perm = node.params.get("dimensions") or range(len(in_shape))
+    perm = tuple(perm)
+    moved = reshape_map([in_shape[d] for d in perm], out_shape)
+    where = {perm[j]: o for j, o in moved.items()}
     found = []
     for spec in _input_specs(node, graph, mesh):
         dims = [()] * len(out_shape)
