@@ -72,8 +72,10 @@ def read(node: Node, ndim: int) -> Constraint | None:
                  for d in range(ndim))
     names = tuple(str(a) for a in mesh.axis_names)
     sizes = tuple(int(mesh.shape[a]) for a in mesh.axis_names)
-    devices = getattr(mesh, "devices", None)
-    ids = () if devices is None else tuple(int(d.id) for d in devices.flat)
+    try:  # an AbstractMesh (a bare PartitionSpec under jax.set_mesh) raises: no devices
+        ids = tuple(int(d.id) for d in mesh.devices.flat)
+    except (AttributeError, ValueError):
+        ids = ()
     return Constraint(dims, names, sizes, ids, repr(spec))
 
 
