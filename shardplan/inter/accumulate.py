@@ -57,7 +57,7 @@ class AccumulationError(ValueError):
 
 
 def accumulate(fn: Callable, num_micro_batches: int, *, reduction: Reduction = "mean",
-               state_argnums: Sequence[int] | None = None,
+               partial_sums: int = 1, state_argnums: Sequence[int] | None = None,
                batch_argnums: Sequence[int] | None = None) -> Callable:
     """`fn` run as `num_micro_batches` micro-batches: a step with fn's arguments and outputs.
 
@@ -67,12 +67,19 @@ def accumulate(fn: Callable, num_micro_batches: int, *, reduction: Reduction = "
       num_micro_batches: M; the batch's leading dimension must divide by it. M = 1 gives
         `fn` itself.
       reduction: "mean", "sum" or a weight function (see the module docstring).
+      partial_sums: P; 1, or the gradients summed in P partial sums (lanes, a leading
+        dimension of the accumulators), lane j over row block j of the batch, added up once
+        after the last micro-batch. With the batch split along its rows over P devices and
+        the lanes likewise, each device sums its own rows' gradients and the gradients are
+        reduced across devices once per step instead of once per micro-batch, for an
+        accumulator P times the gradients' size (one copy per device when split). The batch
+        must divide by M * P.
       state_argnums, batch_argnums: as for shardplan.auto; the batch leaves split into
         micro-batches are shardplan.inter.split.micro_batch_leaves(traced, batch_argnums).
 
     The step is split when first called (or traced) for each signature of its arguments.
     """
-    m = check_micro_batches(num_micro_batches)
+    m, groups = check_micro_batches(num_micro_batches), check_partial_sums(partial_sums)
     check_reduction(reduction)
     if m == 1:
         return fn
@@ -83,43 +90,62 @@ def accumulate(fn: Callable, num_micro_batches: int, *, reduction: Reduction = "
         leaves, tree = jax.tree_util.tree_flatten(args)
         key = (tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves))
         if key not in splits:
-            splits[key] = split(fn, args, m, state_argnums=state_argnums,
+            splits[key] = split(fn, args, m, partial_sums=groups, state_argnums=state_argnums,
                                 batch_argnums=batch_argnums)
         s = splits[key]
-        outs = run_accumulated(s, reduction, leaves)
+        outs = run_accumulated(s, reduction, leaves, groups)
         return jax.tree_util.tree_unflatten(s.traced.out_tree, outs)
 
+    name = f"{getattr(fn, '__name__', 'step')}_accumulated_{m}"
     accumulated_step.__name__ = accumulated_step.__qualname__ = (
-        f"{getattr(fn, '__name__', 'step')}_accumulated_{m}")
+        name if groups == 1 else f"{name}x{groups}")
     return accumulated_step
 
 
 def accumulated(fn: Callable, args: Sequence, num_micro_batches: int, *,
-                reduction: Reduction = "mean", state_argnums: Sequence[int] | None = None,
+                reduction: Reduction = "mean", partial_sums: int = 1,
+                state_argnums: Sequence[int] | None = None,
                 batch_argnums: Sequence[int] | None = None) -> TracedStep:
     """The traced step of `accumulate(fn, num_micro_batches, ...)` on `args` (arrays or
     ShapeDtypeStructs): the same inputs, outputs and roles as fn's own trace, its gradient
     part a scan of M trips."""
-    step = accumulate(fn, num_micro_batches, reduction=reduction,
+    step = accumulate(fn, num_micro_batches, reduction=reduction, partial_sums=partial_sums,
                       state_argnums=state_argnums, batch_argnums=batch_argnums)
     return trace(step, args, state_argnums, batch_argnums)
 
 
-def split(fn: Callable, args: Sequence, num_micro_batches: int, *,
+def split(fn: Callable, args: Sequence, num_micro_batches: int, *, partial_sums: int = 1,
           state_argnums: Sequence[int] | None = None,
           batch_argnums: Sequence[int] | None = None) -> split_mod.SplitStep:
-    """fn split at its gradient call for M micro-batches, or an AccumulationError naming what
-    to change."""
-    m = check_micro_batches(num_micro_batches)
+    """fn split at its gradient call, its loss function traced on one micro-batch of one
+    lane (B / (M P) rows), or an AccumulationError naming what to change."""
+    m, groups = check_micro_batches(num_micro_batches), check_partial_sums(partial_sums)
+    what = f"gradient accumulation over {m} micro-batches" + (
+        f" of {groups} lanes" if groups > 1 else "")
+    traced = trace(fn, args, state_argnums, batch_argnums)
+    micro = split_mod.micro_batch_leaves(traced, batch_argnums)
+    if not micro:
+        raise AccumulationError(f"{what}: the step has no batch argument to split; pass "
+                                "batch_argnums=(...)")
+    for i in micro:
+        rows = traced.in_avals[i].shape[0]
+        if rows % (m * groups):
+            raise AccumulationError(
+                f"{what}: input {traced.arg_info.input_names[i]} has leading (batch) dimension "
+                f"{rows}, not divisible by {m * groups}; choose a divisor "
+                "(micro_batch_choices lists them)")
     try:
-        s = split_mod.split_step(fn, args, num_micro_batches=m, state_argnums=state_argnums,
-                                 batch_argnums=batch_argnums)
+        return split_mod.split_step(fn, args, num_micro_batches=m * groups,
+                                    batch_argnums=batch_argnums, traced=traced)
     except split_mod.PipelineSplitError as e:
-        raise AccumulationError(f"gradient accumulation over {m} micro-batches: {e}") from e
-    if not s.micro_leaves:
-        raise AccumulationError(f"gradient accumulation over {m} micro-batches: the step has "
-                                "no batch argument to split; pass batch_argnums=(...)")
-    return s
+        raise AccumulationError(f"{what}: {e}") from e
+
+
+def check_partial_sums(partial_sums) -> int:
+    if (isinstance(partial_sums, bool) or not isinstance(partial_sums, (int, np.integer))
+            or partial_sums < 1):
+        raise ValueError(f"partial_sums={partial_sums!r}: give a positive int (1: one sum)")
+    return int(partial_sums)
 
 
 def check_micro_batches(num_micro_batches) -> int:
@@ -144,24 +170,25 @@ def accumulator_dtype(dtype) -> np.dtype:
     return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
-def micro_batches(x, m: int):
-    """(B, ...) -> (M, B / M, ...): micro-batch k holds rows k, k + M, k + 2M, ..."""
-    return jnp.swapaxes(jnp.reshape(x, (x.shape[0] // m, m, *x.shape[1:])), 0, 1)
+def micro_batches(x, m: int, groups: int = 1):
+    """(B, ...) -> (M, B / M, ...), or (M, groups, B / (M groups), ...) with groups: row
+    block j of the batch (rows j B / groups ... (j + 1) B / groups - 1) makes group j, and
+    micro-batch k holds every M-th row of each block from its k-th. A batch split along its
+    rows over `groups` devices keeps each device's rows there."""
+    rows = x.shape[0] // (m * groups)
+    y = jnp.moveaxis(jnp.reshape(x, (groups, rows, m, *x.shape[1:])), 2, 0)
+    return y[:, 0] if groups == 1 else y
 
 
-def run_accumulated(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequence) -> list:
+def run_accumulated(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequence,
+                    groups: int = 1) -> list:
     """The step's flat outputs from its flat inputs `leaves`: the loss function and gradient
-    as a scan over s.num_micro_batches micro-batches, the update once."""
-    g, m = s.forward, s.num_micro_batches
-    micro = set(s.micro_leaves)
-    for i in s.micro_leaves:
-        if np.shape(leaves[i])[0] % m:
-            raise AccumulationError(
-                f"input {s.traced.arg_info.input_names[i]} has leading (batch) dimension "
-                f"{np.shape(leaves[i])[0]}, not divisible by {m} micro-batches; choose a "
-                "divisor (micro_batch_choices)")
+    as a scan over s.num_micro_batches / groups micro-batches (each of `groups` lanes, see
+    accumulate's partial_sums), the update once."""
+    g, m = s.forward, s.num_micro_batches // groups
 
     # Before the gradient call, from the state only: run once.
+    micro = set(s.micro_leaves)
     env = {v: leaves[i] for i, v in enumerate(g.inputs) if i not in micro}
     env.update((v, g.values[v].const) for v in g.consts)
     interpret.evaluate(g, s.pre_nodes, env, identity=split_mod.is_marker)
@@ -177,32 +204,37 @@ def run_accumulated(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequen
     diff_vals = [env[v] for v in diff]
     weigh = _weight_fn(s, reduction, leaves)
 
-    def loss_and_grads(xs):
+    def micro_step(xs):
+        """One micro-batch (of one lane): [loss, *aux, *gradients], its weight."""
         def f(*d):
             outs = run(*d, *const_vals, *xs)
             return outs[0], outs[1:]
 
         loss, vjp, aux = jax.vjp(f, *diff_vals, has_aux=True)
         grads = vjp(jnp.ones_like(loss))
-        return [loss, *aux, *grads]
+        return [loss, *aux, *grads], weigh(xs)
 
-    zero = [jnp.zeros(g.values[v].shape, accumulator_dtype(g.values[v].dtype))
+    lanes = micro_step if groups == 1 else jax.vmap(micro_step)
+    lead = () if groups == 1 else (groups,)
+    zero = [jnp.zeros(lead + g.values[v].shape, accumulator_dtype(g.values[v].dtype))
             for v in (*g.outputs, *diff)]
 
     def body(acc, xs):
-        w = weigh(xs)
-        vals = loss_and_grads(list(xs))
+        vals, w = lanes(list(xs))
         acc_vals, acc_w = acc
-        new = [a + (w * x.astype(a.dtype) if w is not None else x.astype(a.dtype))
-               for a, x in zip(acc_vals, vals)]
-        return (new, acc_w + (w if w is not None else 0.0)), None
+        if w is None:
+            return ([a + x.astype(a.dtype) for a, x in zip(acc_vals, vals)], acc_w), None
+        new = [a + _lanes(w, x) * x.astype(a.dtype) for a, x in zip(acc_vals, vals)]
+        return (new, acc_w + w), None
 
-    xs = [micro_batches(leaves[i], m) for i in s.micro_leaves]
-    (sums, total), _ = jax.lax.scan(body, (zero, jnp.zeros((), jnp.float32)), xs)
+    xs = [micro_batches(leaves[i], m, groups) for i in s.micro_leaves]
+    (sums, total), _ = jax.lax.scan(body, (zero, jnp.zeros(lead, jnp.float32)), xs)
+    if groups > 1:  # the one reduction of the lanes' partial sums
+        sums, total = [x.sum(axis=0) for x in sums], total.sum()
     if reduction == "sum":
         reduced = sums
     else:
-        denom = total if callable(reduction) else m
+        denom = total if callable(reduction) else m * groups
         reduced = [x / jnp.asarray(denom, x.dtype) for x in sums]
     dtypes = [g.values[v].dtype for v in (*g.outputs, *diff)]
     reduced = [x.astype(dt) for x, dt in zip(reduced, dtypes)]
@@ -214,6 +246,11 @@ def run_accumulated(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequen
     update = split_mod.eval_nodes(u, sorted(split_mod.ancestors(u, u.outputs)), u.inputs,
                                   u.outputs)
     return update(*leaves, loss, *aux, *grads)
+
+
+def _lanes(w, x):
+    """Weights w (one per lane, or a scalar) shaped to multiply x (lanes first)."""
+    return jnp.reshape(w, w.shape + (1,) * (x.ndim - w.ndim)).astype(x.dtype)
 
 
 def _weight_fn(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequence):
@@ -281,3 +318,15 @@ def _mesh_sizes(mesh_shape) -> tuple[int, ...]:
     if hasattr(mesh_shape, "axis_names"):
         return tuple(MeshShape.of(mesh_shape).sizes)
     return tuple(int(n) for n in mesh_shape)
+
+
+def partial_sums_for(batch_spec, mesh_shape) -> int:
+    """The lanes (accumulate's partial_sums) matching a plan's batch layout: the devices
+    the batch's leading dimension is split over in `batch_spec` (a PartitionSpec or tuple:
+    the product of the sizes of the mesh axes named in its first entry), 1 when whole."""
+    first = next(iter(batch_spec), None)
+    if first is None:
+        return 1
+    names = (first,) if isinstance(first, str) else tuple(first)
+    shape = mesh_shape if isinstance(mesh_shape, MeshShape) else MeshShape.of(mesh_shape)
+    return shape.size(names)
