@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import shardplan
 from shardplan.analysis import hlo
 from shardplan.inter import accumulate as acc
+from shardplan.ir import interpret
 from shardplan.ir.trace import trace
 from shardplan.models import base, gpt
 from shardplan.strategies.spec import MeshShape
@@ -197,9 +198,11 @@ def test_a_masked_mean_is_the_weighted_mean_of_micro_batch_means():
 
     step, args = _linear_step(loss_fn)
     want = jax.jit(step)(*args)
-    by_count = acc.accumulate(step, 4, batch_argnums=(1, 2, 3),
-                              reduction=lambda w, x, y, mask: jnp.sum(mask))
+    count = lambda w, x, y, mask: jnp.sum(mask)
+    by_count = acc.accumulate(step, 4, batch_argnums=(1, 2, 3), reduction=count)
     assert _close(jax.jit(by_count)(*args), want)
+    lanes = acc.accumulate(step, 2, partial_sums=2, batch_argnums=(1, 2, 3), reduction=count)
+    assert _close(jax.jit(lanes)(*args), want)
     assert not _close(jax.jit(acc.accumulate(step, 4, batch_argnums=(1, 2, 3)))(*args), want)
 
 
@@ -236,6 +239,27 @@ def test_low_precision_gradients_accumulate_in_float32():
     assert acc.accumulator_dtype(jnp.float64) == np.float64
     np.testing.assert_allclose(jax.jit(acc.accumulate(step, 4))(w, x)[0],
                                jax.jit(step)(w, x)[0], rtol=1e-2)
+
+
+def test_accumulated_scanned_layers_rematerialize():
+    """The layer scan inside the micro-batch scan is found and rewritten by
+    TracedStep.rematerialized, and computes the same."""
+
+    def loss_fn(params, x):
+        h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, params)
+        return jnp.mean(h ** 2)
+
+    def step(params, x):
+        loss, g = shardplan.value_and_grad(loss_fn)(params, x)
+        return params - 0.1 * g, loss
+
+    rng = np.random.default_rng(4)
+    args = (jnp.asarray(rng.standard_normal((3, 8, 8)) / 3, jnp.float32),
+            jnp.asarray(rng.standard_normal((16, 8)), jnp.float32))
+    remat = acc.accumulated(step, args, 4).rematerialized
+    assert remat is not None and remat.remat.pairs
+    got = jax.jit(lambda *a: interpret.eval_jaxpr(remat.closed_jaxpr, a))(*args)
+    assert _close(got, jax.jit(step)(*args))
 
 
 # --- what the driver calls ---------------------------------------------------------------------

@@ -24,6 +24,12 @@ tests/test_accumulate.py shows each equal to the plain step, and "mean" wrong fo
 two. A micro-batch holds every M-th row of the batch (rows k, k + M, ...): a batch sharded
 along its rows keeps each device's rows on that device in every micro-batch.
 
+With `partial_sums=P` the accumulators gain a leading dimension of P lanes, lane j summing
+the gradients of row block j of the batch, added up once after the last micro-batch: where
+the plan splits the batch and the lanes over the same P devices, each device sums its own
+rows' gradients and the cross-device reduction runs once per step, not once per micro-batch
+(partial_sums_for reads P off a plan's batch layout).
+
 Random numbers drawn inside the loss function (dropout) are drawn per micro-batch from the
 same key, so they differ from the plain step's; the numerics are equal for a deterministic
 loss.
@@ -79,7 +85,7 @@ def accumulate(fn: Callable, num_micro_batches: int, *, reduction: Reduction = "
 
     The step is split when first called (or traced) for each signature of its arguments.
     """
-    m, groups = check_micro_batches(num_micro_batches), check_partial_sums(partial_sums)
+    m, lanes = check_micro_batches(num_micro_batches), check_partial_sums(partial_sums)
     check_reduction(reduction)
     if m == 1:
         return fn
@@ -90,15 +96,15 @@ def accumulate(fn: Callable, num_micro_batches: int, *, reduction: Reduction = "
         leaves, tree = jax.tree_util.tree_flatten(args)
         key = (tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves))
         if key not in splits:
-            splits[key] = split(fn, args, m, partial_sums=groups, state_argnums=state_argnums,
+            splits[key] = split(fn, args, m, partial_sums=lanes, state_argnums=state_argnums,
                                 batch_argnums=batch_argnums)
         s = splits[key]
-        outs = run_accumulated(s, reduction, leaves, groups)
+        outs = run_accumulated(s, reduction, leaves, lanes)
         return jax.tree_util.tree_unflatten(s.traced.out_tree, outs)
 
     name = f"{getattr(fn, '__name__', 'step')}_accumulated_{m}"
     accumulated_step.__name__ = accumulated_step.__qualname__ = (
-        name if groups == 1 else f"{name}x{groups}")
+        name if lanes == 1 else f"{name}x{lanes}")
     return accumulated_step
 
 
@@ -119,9 +125,9 @@ def split(fn: Callable, args: Sequence, num_micro_batches: int, *, partial_sums:
           batch_argnums: Sequence[int] | None = None) -> split_mod.SplitStep:
     """fn split at its gradient call, its loss function traced on one micro-batch of one
     lane (B / (M P) rows), or an AccumulationError naming what to change."""
-    m, groups = check_micro_batches(num_micro_batches), check_partial_sums(partial_sums)
+    m, lanes = check_micro_batches(num_micro_batches), check_partial_sums(partial_sums)
     what = f"gradient accumulation over {m} micro-batches" + (
-        f" of {groups} lanes" if groups > 1 else "")
+        f" of {lanes} lanes" if lanes > 1 else "")
     traced = trace(fn, args, state_argnums, batch_argnums)
     micro = split_mod.micro_batch_leaves(traced, batch_argnums)
     if not micro:
@@ -129,13 +135,13 @@ def split(fn: Callable, args: Sequence, num_micro_batches: int, *, partial_sums:
                                 "batch_argnums=(...)")
     for i in micro:
         rows = traced.in_avals[i].shape[0]
-        if rows % (m * groups):
+        if rows % (m * lanes):
             raise AccumulationError(
                 f"{what}: input {traced.arg_info.input_names[i]} has leading (batch) dimension "
-                f"{rows}, not divisible by {m * groups}; choose a divisor "
+                f"{rows}, not divisible by {m * lanes}; choose a divisor "
                 "(micro_batch_choices lists them)")
     try:
-        return split_mod.split_step(fn, args, num_micro_batches=m * groups,
+        return split_mod.split_step(fn, args, num_micro_batches=m * lanes,
                                     batch_argnums=batch_argnums, traced=traced)
     except split_mod.PipelineSplitError as e:
         raise AccumulationError(f"{what}: {e}") from e
@@ -170,22 +176,22 @@ def accumulator_dtype(dtype) -> np.dtype:
     return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
-def micro_batches(x, m: int, groups: int = 1):
-    """(B, ...) -> (M, B / M, ...), or (M, groups, B / (M groups), ...) with groups: row
-    block j of the batch (rows j B / groups ... (j + 1) B / groups - 1) makes group j, and
-    micro-batch k holds every M-th row of each block from its k-th. A batch split along its
-    rows over `groups` devices keeps each device's rows there."""
-    rows = x.shape[0] // (m * groups)
-    y = jnp.moveaxis(jnp.reshape(x, (groups, rows, m, *x.shape[1:])), 2, 0)
-    return y[:, 0] if groups == 1 else y
+def micro_batches(x, m: int, lanes: int = 1):
+    """(B, ...) -> (M, B / M, ...), or (M, lanes, B / (M lanes), ...) with lanes: row block j
+    of the batch (rows j B / lanes ... (j + 1) B / lanes - 1) makes lane j, and micro-batch k
+    holds every M-th row of each block from its k-th. A batch split along its rows over
+    `lanes` devices keeps each device's rows there."""
+    rows = x.shape[0] // (m * lanes)
+    y = jnp.moveaxis(jnp.reshape(x, (lanes, rows, m, *x.shape[1:])), 2, 0)
+    return y[:, 0] if lanes == 1 else y
 
 
 def run_accumulated(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequence,
-                    groups: int = 1) -> list:
+                    lanes: int = 1) -> list:
     """The step's flat outputs from its flat inputs `leaves`: the loss function and gradient
-    as a scan over s.num_micro_batches / groups micro-batches (each of `groups` lanes, see
+    as a scan over s.num_micro_batches / lanes micro-batches of `lanes` lanes each (see
     accumulate's partial_sums), the update once."""
-    g, m = s.forward, s.num_micro_batches // groups
+    g, m = s.forward, s.num_micro_batches // lanes
 
     # Before the gradient call, from the state only: run once.
     micro = set(s.micro_leaves)
@@ -214,27 +220,27 @@ def run_accumulated(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequen
         grads = vjp(jnp.ones_like(loss))
         return [loss, *aux, *grads], weigh(xs)
 
-    lanes = micro_step if groups == 1 else jax.vmap(micro_step)
-    lead = () if groups == 1 else (groups,)
+    per_lane = micro_step if lanes == 1 else jax.vmap(micro_step)
+    lead = () if lanes == 1 else (lanes,)
     zero = [jnp.zeros(lead + g.values[v].shape, accumulator_dtype(g.values[v].dtype))
             for v in (*g.outputs, *diff)]
 
     def body(acc, xs):
-        vals, w = lanes(list(xs))
+        vals, w = per_lane(list(xs))
         acc_vals, acc_w = acc
         if w is None:
             return ([a + x.astype(a.dtype) for a, x in zip(acc_vals, vals)], acc_w), None
-        new = [a + _lanes(w, x) * x.astype(a.dtype) for a, x in zip(acc_vals, vals)]
+        new = [a + _by_lane(w, x) * x.astype(a.dtype) for a, x in zip(acc_vals, vals)]
         return (new, acc_w + w), None
 
-    xs = [micro_batches(leaves[i], m, groups) for i in s.micro_leaves]
+    xs = [micro_batches(leaves[i], m, lanes) for i in s.micro_leaves]
     (sums, total), _ = jax.lax.scan(body, (zero, jnp.zeros(lead, jnp.float32)), xs)
-    if groups > 1:  # the one reduction of the lanes' partial sums
+    if lanes > 1:  # the one reduction of the lanes' partial sums
         sums, total = [x.sum(axis=0) for x in sums], total.sum()
     if reduction == "sum":
         reduced = sums
     else:
-        denom = total if callable(reduction) else m * groups
+        denom = total if callable(reduction) else m * lanes
         reduced = [x / jnp.asarray(denom, x.dtype) for x in sums]
     dtypes = [g.values[v].dtype for v in (*g.outputs, *diff)]
     reduced = [x.astype(dt) for x, dt in zip(reduced, dtypes)]
@@ -248,7 +254,7 @@ def run_accumulated(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequen
     return update(*leaves, loss, *aux, *grads)
 
 
-def _lanes(w, x):
+def _by_lane(w, x):
     """Weights w (one per lane, or a scalar) shaped to multiply x (lanes first)."""
     return jnp.reshape(w, w.shape + (1,) * (x.ndim - w.ndim)).astype(x.dtype)
 
