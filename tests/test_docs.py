@@ -434,3 +434,19 @@ def test_the_blocks_of_a_page_run(path, tmp_path, monkeypatch, devices, capsys):
     for b in blocks:
         if not (b.file_name and b.lang == "python"):
             page.run(b)
+
+
+INTERNAL = re.compile(r"\bissue #?\d+|\bsessions?\b|\bthe lead\b|\bbeing (?:added|fixed)\b|"
+                      r"\bonce .{0,40}\blands\b", re.IGNORECASE)
+
+
+def test_the_docs_name_no_internal_work_items():
+    """Users read what the code does, not the team's work items (issue numbers, sessions, what
+    is being added): the README, docs/, every notebook cell and the shipped configs."""
+    texts = [(p, t) for p, t in _markdown_sources()]
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        texts.append((path, "\n".join("".join(c["source"]) for c in cells)))
+    texts += [(p, p.read_text()) for p in sorted((ROOT / "configs").rglob("*.yaml"))]
+    found = [(str(p.relative_to(ROOT)), m.group()) for p, t in texts for m in INTERNAL.finditer(t)]
+    assert not found, found
