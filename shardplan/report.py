@@ -206,8 +206,9 @@ def cost_by_layer(plan: Plan) -> list[tuple[str, float, float]]:
     """(group, compute_s, comm_s) of the plan's ops grouped by layer in layer order, the rest
     as 'other'; by primitive (the costliest 11, then 'other primitives') when no op name has
     a layer. The groups add up to the cost model's step (model_estimate), column by column:
-    where the estimate holds more than the ops' own costs (values resharded between ops), a
-    last 'resharding' group holds the difference; where it holds less (the estimate pays one
+    where the estimate holds more than the ops' own costs (values resharded between ops, the
+    step's inputs read and outputs written), a last 'outside the ops' group holds the
+    difference; where it holds less (the estimate pays one
     latency for all-reduces XLA combines across layers, and nothing for partial sums XLA has
     already reduced, which each op prices alone), every group's share is scaled down alike."""
     groups: dict[str, list[float]] = {}
@@ -241,7 +242,7 @@ def cost_by_layer(plan: Plan) -> list[tuple[str, float, float]]:
             for r in rows:
                 r[c] *= total / own
     if extra[1] > 1e-3 * max(e.total_s, 1e-30) or extra[0] > 1e-3 * max(e.total_s, 1e-30):
-        rows.append(["resharding", extra[0], extra[1]])
+        rows.append(["outside the ops", extra[0], extra[1]])
     else:  # a rounding's worth: kept in the last group so the sum stays the step's
         rows[-1][1] += extra[0]
         rows[-1][2] += extra[1]

@@ -44,9 +44,10 @@ def plot_layer_costs(plan: Plan, path: str) -> str | None:
     ax.bar(xs, comm, bottom=comp, label="communication", color="#DD8452")
     ax.set_xticks(list(xs), [r[0] for r in rows], rotation=60, ha="right", fontsize=8)
     label, e = model_estimate(plan)
-    ax.set_ylabel(f"ms per step ({label})")
-    step = f"{e.total_s * 1e3:.3g} ms per step" if e is not None else "cost model"
-    ax.set_title(f"plan cost per layer, mesh {mesh_str(plan)}: {step} in all")
+    ax.set_ylabel("ms per step (cost model)")
+    whole = f"; {e.total_s * 1e3:.3g} ms per step in all" if e is not None else ""
+    ax.set_title(f"{label.removesuffix(' (cost model)')} cost per layer, mesh {mesh_str(plan)}"
+                 f"\n(the cost model's step{whole})", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

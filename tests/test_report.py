@@ -54,12 +54,12 @@ def test_layer_of_op_names():
 
 def test_cost_by_layer_in_layer_order_with_the_rest_and_resharding():
     rows = report.cost_by_layer(_plan())
-    assert [r[0] for r in rows] == ["layer_0", "layer_2", "layer_10", "other", "resharding"]
+    assert [r[0] for r in rows] == ["layer_0", "layer_2", "layer_10", "other", "outside the ops"]
     by = {r[0]: r for r in rows}
     assert by["layer_2"][1] == pytest.approx(3e-3 + 5e-4)
     assert by["other"][1] == pytest.approx(2e-4)
-    # the estimate's communication beyond the ops' own (3 x 0.1 ms) is resharding
-    assert by["resharding"][2] == pytest.approx(0.002 - 3e-4)
+    # the estimate's communication beyond the ops' own (3 x 0.1 ms) is resharding between them
+    assert by["outside the ops"][2] == pytest.approx(0.002 - 3e-4)
 
 
 def test_best_baseline_is_the_fastest_that_fits():
@@ -159,7 +159,7 @@ def _sums(rows):
 def test_cost_by_layer_adds_up_to_the_cost_models_step():
     """The per-layer plot divides the estimate among the layers: where the ops' own costs sum
     to more than the estimate (it combines all-reduces across layers), the shares scale down;
-    where to less, the rest is resharding. Either way the bars add up to the step."""
+    where to less, the rest is a group outside the ops. Either way the bars add up to the step."""
     import dataclasses
 
     over = dataclasses.replace(_plan(), estimate=Estimate(0.010, 1e-4, 300 * MiB, 100 * MiB))
@@ -176,7 +176,7 @@ def test_cost_by_layer_adds_up_to_the_cost_models_step():
     ops = tuple(OpRow(f"p{i}", "", "replicated", 1e-4 * (i + 1), 0.0) for i in range(20))
     flat = dataclasses.replace(_plan(), ops=ops)
     rows = report.cost_by_layer(flat)
-    assert [r[0] for r in rows[-2:]] == ["other primitives", "resharding"] and len(rows) == 13
+    assert [r[0] for r in rows[-2:]] == ["other primitives", "outside the ops"] and len(rows) == 13
     assert _sums(rows) == pytest.approx((0.0167, 0.002))
 
 
