@@ -195,6 +195,15 @@ def _pin_text(pin: Pin) -> str:
     return "[" + ",".join("*" if d is None else "+".join(d) or "-" for d in pin) + "]"
 
 
+def _scope(name: str) -> str:
+    """A node's scope without the wrappers JAX's transformations put around it (`jvp(...)`,
+    `transpose(...)`): '' where nothing else is left."""
+    bare = name
+    for wrapper in ("transpose(", "jvp(", "checkpoint(", "remat(", ")"):
+        bare = bare.replace(wrapper, "")
+    return name if bare.strip("/") else ""
+
+
 def model_pins(graph: Graph, mesh: MeshShape, mode: str = "hint") -> ModelPins:
     """The model's sharding constraints in `graph` on the plan's `mesh`: each read as a hint
     (mode "hint": its value is held to the layout it asks for, re-placed on the plan's mesh
@@ -207,16 +216,19 @@ def model_pins(graph: Graph, mesh: MeshShape, mode: str = "hint") -> ModelPins:
     pins: dict[int, Pin] = {}
     groups: dict[tuple, list[int]] = {}
     for nid, c in sorted(found.items()):
+        value = graph.values[graph.nodes[nid].outputs[0]]
+        of = f"{value.dtype}{list(value.shape)}"
         if c is None:
             groups.setdefault(("names no mesh axes (not a NamedSharding): left to the planner",
-                               repr(graph.nodes[nid].params.get("sharding")), ""), []).append(nid)
+                               repr(graph.nodes[nid].params.get("sharding")), of, ""),
+                              []).append(nid)
             continue
         same = (c.mesh_names, c.mesh_sizes) == (mesh.names, mesh.sizes)
         where = "" if same else f" on {c.mesh_text()}"
         if mode == "ignore":
             what = "ignored (option model_constraints='ignore'): laid out by the planner"
         else:
-            pin = replaced(c, graph.values[graph.nodes[nid].outputs[0]].shape, mesh)
+            pin = replaced(c, value.shape, mesh)
             if all(d is None for d in pin):
                 what = ("re-placed on the plan's mesh: it names no axis of it, so the planner "
                         "lays the value out")
@@ -224,11 +236,11 @@ def model_pins(graph: Graph, mesh: MeshShape, mode: str = "hint") -> ModelPins:
                 pins[nid] = pin
                 what = (f"read as a hint, {_pin_text(pin)}" if same else
                         f"re-placed on the plan's mesh as {_pin_text(pin)}, read as a hint")
-        groups.setdefault((what, c.text, where), []).append(nid)
+        groups.setdefault((what, c.text, of, where), []).append(nid)
     notes = [(f"model sharding constraints: {len(found)} in the step, none bound as written "
               "(the plan's layouts are emitted in their place; * a dimension left free)")]
-    for (what, text, where), nids in sorted(groups.items(), key=lambda g: g[1][0]):
-        at = graph.nodes[nids[0]].name or graph.nodes[nids[0]].primitive
-        count = f" x{len(nids)}" if len(nids) > 1 else ""
-        notes.append(f"  {text}{where}{count} (first at {at}): {what}")
+    for (what, text, of, where), nids in sorted(groups.items(), key=lambda g: g[1][0]):
+        scope = _scope(graph.nodes[nids[0]].name)
+        at = f", first in {scope}" if scope else ""
+        notes.append(f"  {len(nids)} x {text} of {of}{where}{at}: {what}")
     return ModelPins(pins, tuple(notes))
