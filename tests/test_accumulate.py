@@ -354,8 +354,8 @@ def test_peak_memory_falls_as_micro_batches_grow_for_about_the_same_compute(mesh
         estimates.append(planned.plan(*args).estimate)
         compiled.append(_compiled_peak(planned.lower(*args).compile()))
     peaks = [e.peak_bytes for e in estimates]
-    assert peaks[0] > peaks[1] > peaks[2] and peaks[2] < 0.5 * peaks[0], peaks
-    assert compiled[0] > compiled[1] > compiled[2] and compiled[2] < 0.5 * compiled[0], compiled
+    assert peaks[0] > peaks[1] > peaks[2] and peaks[2] < 0.6 * peaks[0], peaks
+    assert compiled[0] > compiled[1] > compiled[2] and compiled[2] < 0.6 * compiled[0], compiled
     # M micro-steps of 1/M the work: the cost model's compute within 15% of the plain step's
     computes = [e.compute_s for e in estimates]
     assert all(abs(c / computes[0] - 1) < 0.15 for c in computes), computes

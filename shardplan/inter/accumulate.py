@@ -33,6 +33,20 @@ rows' gradients and the cross-device reduction runs once per step, not once per 
 Random numbers drawn inside the loss function (dropout) are drawn per micro-batch from the
 same key, so they differ from the plain step's; the numerics are equal for a deterministic
 loss.
+
+A planning driver tries M as a candidate with the plain planner (the step's layer scan inside
+the micro-batch scan is still found by TracedStep.rematerialized):
+
+    traced = trace(fn, args, state_argnums, batch_argnums)
+    for m in micro_batch_choices(traced, mesh_shape, batch_argnums):
+        step_m = traced if m == 1 else accumulated(fn, args, m, state_argnums=...,
+                                                   batch_argnums=...)
+        plan_m = search.plan_step(step_m, mesh_shape, hw, options)  # as for any step
+        # optionally: p = partial_sums_for(plan_m's batch input spec, mesh_shape); when
+        # p > 1 and the batch divides by m * p, plan accumulated(..., partial_sums=p) too
+
+and runs the kept plan's step (`accumulate(fn, m, ...)` has fn's signature). A step whose
+gradient is not taken with shardplan.value_and_grad raises AccumulationError: M = 1 only.
 """
 
 from __future__ import annotations
