@@ -219,6 +219,36 @@ def test_aux_outputs_are_reduced_like_the_loss():
     assert _close(jax.jit(acc.accumulate(step, 2))(*args), jax.jit(step)(*args))
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_each_micro_batch_draws_its_own_random_numbers(lanes):
+    """A typed key the loss function reads has the micro-batch's number folded in: the
+    accumulated step is the mean over micro-batches k of the loss and gradient on rows
+    k, k + M, ... (of each lane's block) with key fold_in(key, k * lanes + lane)."""
+
+    def loss_fn(w, x, key):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.mean(jnp.where(keep, x, 0.0) @ w)
+
+    def step(w, x, key):
+        loss, g = shardplan.value_and_grad(loss_fn)(w, x, key)
+        return w - 0.1 * g, loss
+
+    w = jnp.ones((4, 2), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((8, 4)), jnp.float32)
+    key = jax.random.key(0)
+    m = 2
+    blocks = x.reshape(lanes, 8 // lanes, 4)
+    parts = [jax.value_and_grad(loss_fn)(w, blocks[j, k::m], jax.random.fold_in(key, k * lanes + j))
+             for k in range(m) for j in range(lanes)]
+    loss = np.mean([p[0] for p in parts])
+    grad = np.mean([p[1] for p in parts], axis=0)
+    got = jax.jit(acc.accumulate(step, m, partial_sums=lanes))(w, x, key)
+    np.testing.assert_allclose(got[1], loss, rtol=1e-6)
+    np.testing.assert_allclose(got[0], w - 0.1 * grad, rtol=1e-6)
+    assert not _close(got, jax.jit(acc.accumulate(step, m, partial_sums=lanes))(
+        w, x, jax.random.key(1)))
+
+
 def test_low_precision_gradients_accumulate_in_float32():
     def loss_fn(w, x):
         return jnp.mean((x @ w.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)

@@ -30,9 +30,12 @@ the plan splits the batch and the lanes over the same P devices, each device sum
 rows' gradients and the cross-device reduction runs once per step, not once per micro-batch
 (partial_sums_for reads P off a plan's batch layout).
 
-Random numbers drawn inside the loss function (dropout) are drawn per micro-batch from the
-same key, so they differ from the plain step's; the numerics are equal for a deterministic
-loss.
+Random numbers drawn inside the loss function (dropout) differ from the plain step's, drawn
+for each micro-batch on its own: a typed PRNG key (`jax.random.key`) the loss function reads
+has the micro-batch's number folded in (`jax.random.fold_in(key, k)`, k = 0 ... M - 1; with
+lanes, k * P + j for lane j), so micro-batches draw independent masks; a raw uint32 key
+(`jax.random.PRNGKey`) cannot be told from data and is read as it is, every micro-batch
+drawing the same. The numerics equal the plain step's for a deterministic loss.
 
 A planning driver tries M as a candidate with the plain planner (the step's layer scan inside
 the micro-batch scan is still found by TracedStep.rematerialized):
@@ -224,10 +227,20 @@ def run_accumulated(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequen
     diff_vals = [env[v] for v in diff]
     weigh = _weight_fn(s, reduction, leaves)
 
+    keys = [k for k, v in enumerate(consts) if g.values[v].dtype.startswith("key")]
+
     def micro_step(xs):
-        """One micro-batch (of one lane): [loss, *aux, *gradients], its weight."""
+        """One micro-batch (of one lane): [loss, *aux, *gradients], its weight. With typed
+        PRNG keys read by the loss function, xs ends with the micro-batch's index, folded
+        into each key."""
+        vals = list(const_vals)
+        if keys:
+            xs, index = xs[:-1], xs[-1]
+            for k in keys:
+                vals[k] = jax.random.fold_in(vals[k], index)
+
         def f(*d):
-            outs = run(*d, *const_vals, *xs)
+            outs = run(*d, *vals, *xs)
             return outs[0], outs[1:]
 
         loss, vjp, aux = jax.vjp(f, *diff_vals, has_aux=True)
@@ -248,6 +261,9 @@ def run_accumulated(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequen
         return (new, acc_w + w), None
 
     xs = [micro_batches(leaves[i], m, lanes) for i in s.micro_leaves]
+    if keys:  # micro-batch k of lane j is number k * lanes + j
+        index = jnp.arange(m * lanes, dtype=jnp.uint32)
+        xs.append(index if lanes == 1 else index.reshape(m, lanes))
     (sums, total), _ = jax.lax.scan(body, (zero, jnp.zeros(lead, jnp.float32)), xs)
     if lanes > 1:  # the one reduction of the lanes' partial sums
         sums, total = [x.sum(axis=0) for x in sums], total.sum()
