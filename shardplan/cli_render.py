@@ -88,8 +88,8 @@ def print_run(run, console) -> None:
     console.print(f"plan: {fmt_seconds(run.plan_total())} per step, peak {fmt_bytes(peak)} "
                   f"per device ({source}) against a budget of {fmt_bytes(run.budget)}: {fits}")
     if run.priced_plan is not None or run.baselines:
-        t = Table(title="plan vs baselines: XLA-compiled on CPU devices, priced as "
-                  f"{shown(run.hardware)}")
+        t = Table(title=f"plan vs baselines: compiled by {shown(report.compiled_by(run))}, "
+                  f"priced as {shown(run.hardware)}")
         for c in report.COMPARISON_HEADER:
             t.add_column(c, justify="left" if c == "program" else "right")
         for row in report.comparison_rows(run):

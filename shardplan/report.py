@@ -136,6 +136,13 @@ class Run:
         return priced.total_s / best[1].total_s
 
 
+def compiled_by(run: Run) -> str:
+    """Which compiler compiled the programs compared (the plan's record of it, without the
+    reason a stand-in was used), e.g. 'XLA:CPU (jaxlib 0.10.2) standing in for a100-80gb'."""
+    by = run.plan.compiled_by.split(": ", 1)[0]
+    return by or "XLA:CPU on CPU devices standing in for the cluster"
+
+
 def model_estimate(plan: Plan) -> tuple[str, Estimate | None]:
     """The cost model's figures for the plan and what they are of: the plan's own; where the
     measured selection kept an expert plan the cost model never priced (input shardings only,
@@ -431,13 +438,16 @@ def report_markdown(run: Run, images: Sequence[tuple[str, str]] = (),
         lines.append("")
     lines += ["## Plan vs baselines", ""]
     if run.priced_plan is not None:
-        lines += [("Every `(XLA)` row is a program compiled by XLA on CPU devices standing in "
-                   f"for the cluster and priced with the `{run.hardware}` profile (flops at its "
-                   "peak, every collective of the partitioned HLO at the alpha-beta cost of the "
-                   "links it spans). Where XLA:CPU keeps an all-reduce whose result each device "
-                   "only slices, or sends bf16 values widened to f32, an accelerator profile "
-                   "prices the reduce-scatter and the bf16 bytes a GPU/TPU would run, alike for "
-                   "the plan and the baselines (`shardplan/analysis/price.py`)."), ""]
+        compiler = compiled_by(run)
+        text = (f"Every `(XLA)` row is a program compiled by {compiler} and priced with the "
+                f"`{run.hardware}` profile (flops at its peak, every collective of the "
+                "partitioned HLO at the alpha-beta cost of the links it spans).")
+        if compiler.startswith("XLA:CPU") and run.hardware != "cpu":
+            text += (" Where XLA:CPU keeps an all-reduce whose result each device only slices, "
+                     "or sends bf16 values widened to f32, the accelerator profile prices the "
+                     "reduce-scatter and the bf16 bytes a GPU/TPU would run, alike for the plan "
+                     "and the baselines (`shardplan/analysis/price.py`).")
+        lines += [text, ""]
     lines += md_table(COMPARISON_HEADER, comparison_rows(run))
     lines.append("")
     if run.ratio() is not None:
