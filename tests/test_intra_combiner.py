@@ -4,10 +4,13 @@ of the gradients' reductions (intra/problem.py Problem.edge_time)."""
 import collections
 import importlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
+import shardplan
 from shardplan import measure
 from shardplan.analysis import hlo
 from shardplan.cost.hardware import get_profile
@@ -258,3 +261,60 @@ def test_the_loss_reduction_runs_alone_where_the_forward_reduces_over_its_device
     other = [(1.0, Collective("all-reduce", ("y",), 64))]
     alone, got = combined({**grads, g.outputs[-1]: red, h: other})
     assert not alone
+
+
+def _adafactor_mlp(batch=1024, width=256, layers=4):
+    """A flax MLP with biases updated by Adafactor (factored second moments of the kernels,
+    the update's RMS clipped, the parameter scale): a reduction of every gradient."""
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(layers):
+                x = nn.Dense(width)(x)
+                x = nn.relu(x) if i < layers - 1 else x
+            return x
+
+    model, tx = MLP(), optax.adafactor(1e-2, min_dim_size_to_factor=32)
+    x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((batch, width))))
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, jax.eval_shape(tx.init, params), x, x)
+
+
+def test_adafactor_reductions_of_the_gradients_are_not_the_gradients():
+    """Adafactor's means of squared gradients and its update RMS reduce a gradient: they run
+    after its reduction, so they are priced with their own latency (combiner.reduced_again);
+    the kernels' and biases' gradients themselves are the gradients."""
+    step, args = _adafactor_mlp()
+    traced = trace(step, args, (0, 1), (2, 3))
+    g = lift(traced.closed_jaxpr, traced.arg_info)
+    terminal = combiner.terminal_values(g, CONTRACTIONS)
+    again = combiner.reduced_again(g, terminal)
+    grads = combiner.gradient_values(g, CONTRACTIONS)
+    sums = [n for n in g.nodes if n.primitive == "reduce_sum" and set(n.outputs) & again]
+    assert len(sums) >= 2 * 4  # at least a second moment and an update RMS per kernel
+    # the kernels' gradients (dots of the backward pass with a parameter's shape)
+    kernels = {v for n in g.nodes if n.primitive == "dot_general" for v in n.outputs
+               if g.values[v].shape == (256, 256) and v in terminal}
+    assert len(kernels) == 4 and kernels <= grads and not kernels & again
+    assert not grads & again
+
+
+def test_adafactor_keeps_the_gradients_all_reduce_combined(devices):
+    """Data parallel with Adafactor compiles to one all-reduce, the gradients' combined: the
+    optimizer's reductions of the gradients run on the reduced gradients, not split over the
+    devices (split, each is an all-reduce after its gradient's, and XLA's combiner stops a
+    group at each: one all-reduce per parameter)."""
+    step, args = _adafactor_mlp()
+    mesh = auto_mesh((8,), ("x",))
+    auto = shardplan.auto(step, mesh=mesh, hardware="cpu")
+    plan = auto.plan(*args)
+    assert tuple(plan.in_specs["[2]"]) == ("x",)  # the batch split
+    stats = hlo.analyze(auto.lower(*args).compile())
+    assert [op.kind for op in stats.collectives] == ["all-reduce"], stats.summary()
+    assert plan.estimate.comm_bytes == pytest.approx(stats.bytes_sent, rel=0.02)
