@@ -179,9 +179,11 @@ def _batch():
             "targets": jax.random.randint(k2, (BATCH, SEQ), 0, VOCAB)}
 
 
+@functools.cache
 def maxtext_nnx(model_mesh):
     """(step, args) of the NNX decoder built for `model_mesh`: its params are nnx State (the
-    Variables keep their `out_sharding` names), updated by optax.adamw."""
+    Variables keep their `out_sharding` names), updated by optax.adamw. Made once per mesh
+    (the tests share it)."""
     with nnx.use_eager_sharding(False):
         model = Decoder(model_mesh, nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -303,9 +305,18 @@ def _close(a, b, tol=2e-4):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
+_REFERENCES: dict = {}  # step -> its results on one device (the MaxText tests share steps)
+
+
 def _one_device(step, args):
     """The step's results on one device, its jaxpr bound again without the model's
-    constraints (they may name devices of two meshes)."""
+    constraints (they may name devices of two meshes). Once per step."""
+    if step not in _REFERENCES:
+        _REFERENCES[step] = _run_on_one_device(step, args)
+    return _REFERENCES[step]
+
+
+def _run_on_one_device(step, args):
     traced = trace(step, args)
     graph = lift(traced.closed_jaxpr, traced.arg_info)
     flat = [jax.device_put(x, jax.devices()[0]) for x in jax.tree_util.tree_leaves(args)]
@@ -370,6 +381,7 @@ def test_maxtext_on_the_users_mesh_holds_its_constraints(devices, mesh2x4):
     assert "read as a hint" in _notes(plan) and "re-placed" not in _notes(plan)
 
 
+@pytest.mark.slow
 def test_ignoring_the_models_constraints(devices, mesh2x4):
     """model_constraints="ignore": the planner lays every constrained value out (the notes
     say so); the step still runs equal to one device, its estimate still agrees."""
