@@ -248,10 +248,20 @@ NEW_NAMES = frozenset({
     "unreduced_pmin",
 })
 
-PRIMITIVES: Mapping[str, PrimitiveInfo] = types.MappingProxyType(dict(sorted({
-    **_REPLICATED, **_ELEMENTWISE, **_REDUCTIONS, **_SHAPE, **_INDEXED, **_WINDOWED, **_RANDOM,
-    **_OTHER, **_LOOP,
-}.items())))
+
+def _merged(*tables: dict[str, PrimitiveInfo]) -> dict[str, PrimitiveInfo]:
+    """One entry per primitive: a name in two tables is an error, not a silent override."""
+    out: dict[str, PrimitiveInfo] = {}
+    for table in tables:
+        for name, entry in table.items():
+            if name in out:
+                raise ValueError(f"primitive {name!r} has two entries; keep one")
+            out[name] = entry
+    return dict(sorted(out.items()))
+
+
+PRIMITIVES: Mapping[str, PrimitiveInfo] = types.MappingProxyType(_merged(
+    _REPLICATED, _ELEMENTWISE, _REDUCTIONS, _SHAPE, _INDEXED, _WINDOWED, _RANDOM, _OTHER, _LOOP))
 
 DEFAULT = PrimitiveInfo("replicated", F.elementwise)
 """What the planner assumes of a primitive it does not know: it runs replicated, one flop
