@@ -10,7 +10,7 @@ import jax
 from jax.extend import core as jcore
 from jax.sharding import AxisType, Mesh
 
-try:  # jax >= 0.12 describes a scan's operands by a flat tree (no public name for it)
+try:  # jax >= 0.11 describes a scan's operands by a flat tree (no public name for it)
     from jax._src import flattree as _flattree
 except ImportError:
     _flattree = None
@@ -51,8 +51,8 @@ def bind_eqn(eqn, invals):
 
 def scan_counts(params) -> tuple[int, int]:
     """(constants, carries) among a scan's operands, which come first in that order (the
-    stacked inputs follow). Up to jax 0.11 the params say num_consts and num_carry; since
-    0.12 a flat tree `ft_in` of (constants, carries, stacked inputs) does."""
+    stacked inputs follow). Up to jax 0.10 the params say num_consts and num_carry; since
+    0.11 a flat tree `ft_in` of (constants, carries, stacked inputs) does."""
     if "num_consts" in params:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].unpack()

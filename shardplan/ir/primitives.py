@@ -235,13 +235,13 @@ PSEUDO = frozenset(_LOOP)
 OLD_NAMES = frozenset({
     "pjit",                   # jit before jax 0.7
     "custom_vjp_call_jaxpr",  # custom_vjp_call before jax 0.6.1
-    # removed after jax 0.10 (closed_call and call are eval_jaxpr since)
+    # gone by jax 0.12 (closed_call and call are eval_jaxpr after 0.11.0)
     "closed_call", "call", "shard_alike", "reduced_vary_cast_p", "vary_unreduced_cast_p",
     "pbroadcast_done", "pbroadcast_start", "psum_start", "unreduced_psum_start",
     "unreduced_reduce_scatter_start", "box_get", "box_set", "new_box", "new_log", "log_extend",
     "log_read", "core_map",
 })
-# Names of primitives new since jax 0.10, kept so the table is the same on every version.
+# Names of primitives new since jax 0.10.2, kept so the table is the same on every version.
 NEW_NAMES = frozenset({
     "one_minus_square", "log2", "polynomial", "relayout", "program_order",  # jax 0.12
     "reduced_vary_cast", "vary_unreduced_cast", "pbroadcast_dynamic", "unreduced_pmax",

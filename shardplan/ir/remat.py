@@ -261,8 +261,9 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
         f_body.eqns, f_body.effects, _debug_info(f_body, len(f_body.invars), ncar + len(keep))))
     stats[1] += sum(nbytes(v.aval) for k, v in enumerate(f_outs) if k >= ncar and k not in keep)
     stats[2] += sum(nbytes(v.aval) for v in carry_stacks.values())
-    new_f = f.replace(outvars=[*f_outs[:ncar], *(f_outs[k] for k in keep)], params=_compat.scan_params(
-        f.params, jcore.ClosedJaxpr(f_body_new, f_consts), nc))
+    new_f = f.replace(
+        outvars=[*f_outs[:ncar], *(f_outs[k] for k in keep)],
+        params=_compat.scan_params(f.params, jcore.ClosedJaxpr(f_body_new, f_consts), nc))
     stats[0] += 1
     return [*eqns[:i], new_f, *eqns[i + 1:]]
 
