@@ -134,10 +134,12 @@ def test_depthwise_conv_plan_runs_as_one_device():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "priced otherwise: on the cpu profile (memory read at the links' 2.5 GB/s) the plan splits "
-    "the input images' channels and all-reduces each stride-2 convolution's 4x smaller output "
-    "rather than read the images whole: 4 all-reduces and 3 all-gathers, 1.74 MiB sent per "
-    "device against Alpa's 3 all-reduces (0.44 MiB); on a100-80gb it runs replicated"))
+    "priced otherwise: on the cpu profile (memory read at the links' bandwidth) the plan "
+    "splits the input images' channels and all-reduces each stride-2 convolution's 4x smaller "
+    "output rather than read the images whole: 4 all-reduces and 3 all-gathers, 1.74 MiB sent "
+    "per device against Alpa's 3 all-reduces (0.44 MiB), and priced as compiled below the "
+    "plan pinned to Alpa's layouts (images whole, kernels alternating output and input "
+    "channels); on a100-80gb it runs replicated"))
 def test_conv_model_parallel_all_reduces_between_layers():
     """Alpa's test_n_layer_conv_model_parallel (batch 8, 16x16 images, 256 channels, 4
     layers): the channels split, convolutions alternating between output and input
