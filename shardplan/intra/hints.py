@@ -229,7 +229,7 @@ def model_pins(graph: Graph, mesh: MeshShape, mode: str = "hint") -> ModelPins:
             what = "ignored (option model_constraints='ignore'): laid out by the planner"
         else:
             pin = replaced(c, value.shape, mesh)
-            if all(d is None for d in pin):
+            if pin and all(d is None for d in pin):
                 what = ("re-placed on the plan's mesh: it names no axis of it, so the planner "
                         "lays the value out")
             else:
