@@ -114,6 +114,9 @@ def test_depthwise_conv_model_parallel_is_one_all_reduce():
     x = jnp.ones((batch, image, image, channel))
     step, args = _conv_step(DepthwiseConvNet(channel), x, x)
     _, plan, stats = _plan_and_compile(step, _abstract(args), _mesh(n))
+    kernels = [tuple(plan.in_specs[f"[0]['Conv_{i}']['kernel']"]) for i in range(3)]
+    # HWIO: output channels, the depthwise convolution's channels, input channels
+    assert kernels == [(None, None, None, "x"), (None, None, None, "x"), (None, None, "x")]
     assert plan.estimate.comm_bytes == pytest.approx(stats.bytes_sent, rel=0.01)
     assert _counts(stats) == {"all-reduce": 1}, stats.summary()
     # the all-reduce of the last convolution's output, [batch, image, image, channel]
