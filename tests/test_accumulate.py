@@ -117,6 +117,7 @@ def test_nnx_model_accumulated_equals_the_plain_step(mesh2x4):
         return jnp.mean((nnx.merge(graphdef, params)(x) - y) ** 2)
 
     step, opt = _adamw_step(loss_fn)
+    assert acc.infer_reduction(step, (params, opt.init(params), x, y)) == "mean"
     check_three_steps(step, (params, opt.init(params), x, y), mesh2x4, 2)
 
 
@@ -141,6 +142,7 @@ def test_scanned_transformer_blocks_accumulated_equal_the_plain_step(mesh2x4):
         return base.cross_entropy(logits, batch["labels"])
 
     step, _ = _adamw_step(loss_fn, opt)
+    assert acc.infer_reduction(step, (params, opt_state, batch)) == "mean"
     traced = acc.accumulated(step, (params, opt_state, batch), 2)
     scans = [e for e in traced.closed_jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     assert [e.params["length"] for e in scans] == [2]
@@ -188,15 +190,16 @@ def test_a_summed_loss_is_the_sum_of_micro_batch_sums():
     assert not _close(jax.jit(acc.accumulate(step, 4, batch_argnums=(1, 2, 3)))(*args), want)
 
 
+def _masked_mean(w, x, y, mask):
+    per_row = jnp.sum((x @ w - y) ** 2, axis=1)
+    return jnp.sum(per_row * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
 def test_a_masked_mean_is_the_weighted_mean_of_micro_batch_means():
     """A mean over the unmasked rows: each micro-batch's mean is over its own count, so the
     plain mean of micro-batch means is wrong; weighted by the counts it is the batch's."""
 
-    def loss_fn(w, x, y, mask):
-        per_row = jnp.sum((x @ w - y) ** 2, axis=1)
-        return jnp.sum(per_row * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-    step, args = _linear_step(loss_fn)
+    step, args = _linear_step(_masked_mean)
     want = jax.jit(step)(*args)
     count = lambda w, x, y, mask: jnp.sum(mask)
     by_count = acc.accumulate(step, 4, batch_argnums=(1, 2, 3), reduction=count)
@@ -204,6 +207,20 @@ def test_a_masked_mean_is_the_weighted_mean_of_micro_batch_means():
     lanes = acc.accumulate(step, 2, partial_sums=2, batch_argnums=(1, 2, 3), reduction=count)
     assert _close(jax.jit(lanes)(*args), want)
     assert not _close(jax.jit(acc.accumulate(step, 4, batch_argnums=(1, 2, 3)))(*args), want)
+
+
+@pytest.mark.parametrize("loss_fn, want", [
+    (lambda w, x, y, mask: jnp.mean((x @ w - y) ** 2), "mean"),
+    (lambda w, x, y, mask: jnp.mean((x @ w - y) ** 2) + 1e-3 * jnp.sum(w ** 2), "mean"),
+    (lambda w, x, y, mask: optax.softmax_cross_entropy(x @ w, jax.nn.softmax(y)).mean(),
+     "mean"),
+    (lambda w, x, y, mask: jnp.sum((x @ w - y) ** 2), None),           # a sum
+    (lambda w, x, y, mask: jnp.sum((x @ w - y) ** 2) / 8.0, None),     # a sum, scaled
+    (_masked_mean, None),                                              # over a data count
+], ids=["mean", "mean+l2", "cross-entropy", "sum", "scaled-sum", "masked-mean"])
+def test_infer_reduction_says_mean_only_for_a_mean_over_the_batch(loss_fn, want):
+    step, args = _linear_step(loss_fn)
+    assert acc.infer_reduction(step, args, batch_argnums=(1, 2, 3)) == want
 
 
 def test_aux_outputs_are_reduced_like_the_loss():
@@ -332,8 +349,10 @@ def test_errors_say_what_to_change():
     step, args = _mlp(6)
     with pytest.raises(acc.AccumulationError, match=r"dimension 6, not divisible by 4"):
         acc.accumulated(step, args, 4)
+    plain_grad = lambda w, x: (w - jax.grad(lambda w: jnp.mean(x @ w))(w),)
     with pytest.raises(acc.AccumulationError, match="shardplan.value_and_grad"):
-        acc.accumulated(lambda w, x: (w - jax.grad(lambda w: jnp.sum(x @ w))(w),), args[:2], 2)
+        acc.accumulated(plain_grad, args[:2], 2)
+    assert acc.infer_reduction(plain_grad, args[:2]) is None
     with pytest.raises(ValueError, match="num_micro_batches=0"):
         acc.accumulate(step, 0)
     with pytest.raises(ValueError, match="reduction='average'"):

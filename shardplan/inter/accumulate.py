@@ -12,7 +12,8 @@ How the micro-batch results combine into the step's is the step's `reduction`:
 
 - "mean" (the default): the loss is a mean over the batch. Micro-batches are equal (the batch
   divides by M), so the mean of their means is the batch's mean: everything is summed and
-  divided by M.
+  divided by M. `infer_reduction` says "mean" where the loss function visibly divides by
+  the batch's size, and None where it cannot tell.
 - "sum": the loss is a sum over the batch: everything is summed.
 - a callable `weight(*args)`, called with the step's arguments cut to one micro-batch,
   returning a scalar: the loss is a weighted mean whose normaliser differs between
@@ -41,9 +42,10 @@ A planning driver tries M as a candidate with the plain planner (the step's laye
 the micro-batch scan is still found by TracedStep.rematerialized):
 
     traced = trace(fn, args, state_argnums, batch_argnums)
+    reduction = the user's, else infer_reduction(fn, args, ...)  # None: try M = 1 only
     for m in micro_batch_choices(traced, mesh_shape, batch_argnums):
-        step_m = traced if m == 1 else accumulated(fn, args, m, state_argnums=...,
-                                                   batch_argnums=...)
+        step_m = traced if m == 1 else accumulated(fn, args, m, reduction=reduction,
+                                                   state_argnums=..., batch_argnums=...)
         plan_m = search.plan_step(step_m, mesh_shape, hw, options)  # as for any step
         # optionally: p = partial_sums_for(plan_m's batch input spec, mesh_shape); when
         # p > 1 and the batch divides by m * p, plan accumulated(..., partial_sums=p) too
@@ -54,6 +56,7 @@ gradient is not taken with shardplan.value_and_grad raises AccumulationError: M 
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -64,6 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardplan import _compat
 from shardplan.inter import split as split_mod
 from shardplan.ir import interpret
 from shardplan.ir.trace import TracedStep, trace
@@ -308,6 +312,81 @@ def _weight_fn(s: split_mod.SplitStep, reduction: Reduction, leaves: Sequence):
         return jnp.asarray(w, jnp.float32)
 
     return weigh
+
+
+# -- the step's reduction, read off its loss function ----------------------------------------
+
+
+def infer_reduction(fn: Callable, args: Sequence, *,
+                    state_argnums: Sequence[int] | None = None,
+                    batch_argnums: Sequence[int] | None = None) -> str | None:
+    """"mean" when the loss function divides by a number proportional to the batch's rows (a
+    mean over the batch, as jnp.mean writes it), else None: a sum, a mean over a count read
+    from the data (masked tokens) and a loss without batch dependent constants look alike,
+    and the caller must say which (accumulate's `reduction`).
+
+    Read from the scalar constants of the loss function traced on the whole batch and on a
+    1 / f part of it (f the batch's least divisor above 1): "mean" when those that differ
+    pair up as x_whole = f x_part (a divisor) or x_part / f (its reciprocal). A step that
+    cannot be split (AccumulationError) has no reduction to read: None."""
+    traced = trace(fn, args, state_argnums, batch_argnums)
+    rows = batch_size(traced, batch_argnums)
+    f = next((d for d in range(2, (rows or 0) + 1) if rows % d == 0), None)
+    if f is None:
+        return None
+    try:
+        whole, part = (split(fn, args, k, state_argnums=state_argnums,
+                             batch_argnums=batch_argnums) for k in (1, f))
+        consts = [_loss_constants(s) for s in (whole, part)]
+    except AccumulationError:
+        return None
+    only_whole, only_part = consts[0] - consts[1], consts[1] - consts[0]
+    if not only_whole or sum(only_whole.values()) != sum(only_part.values()):
+        return None
+    left = list(only_part.elements())
+    for x in only_whole.elements():
+        match = next((y for y in left if math.isclose(x, f * y, rel_tol=1e-6)
+                      or math.isclose(x, y / f, rel_tol=1e-6)), None)
+        if match is None:
+            return None
+        left.remove(match)
+    return "mean"
+
+
+def _loss_constants(s: split_mod.SplitStep) -> collections.Counter:
+    """The nonzero numeric scalar literals the loss function's equations read (inside loops
+    and calls too), rounded to 7 significant digits."""
+    g = s.forward
+    found: collections.Counter = collections.Counter()
+
+    def add(value):
+        v = np.asarray(value)
+        if v.shape == () and np.issubdtype(v.dtype, np.number) and v != 0:
+            found[float(f"{float(v):.7g}")] += 1
+
+    def walk(jaxpr):
+        jaxpr, _ = _compat.open_jaxpr(jaxpr)
+        for eqn in jaxpr.eqns:
+            for x in eqn.invars:
+                if isinstance(x, _compat.Literal):
+                    add(x.val)
+            for sub in _sub_jaxprs(eqn.params):
+                walk(sub)
+
+    for nid in s.body:
+        node = g.nodes[nid]
+        for v in node.inputs:
+            if g.values[v].is_literal:
+                add(g.values[v].const)
+        if node.eqn is not None:
+            for sub in _sub_jaxprs(node.eqn.params):
+                walk(sub)
+    return found
+
+
+def _sub_jaxprs(params) -> list:
+    return [x for val in params.values()
+            for x in (val if isinstance(val, (tuple, list)) else (val,)) if _compat.is_jaxpr(x)]
 
 
 # -- what the driver tries -----------------------------------------------------------------------
