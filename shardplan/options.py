@@ -200,11 +200,12 @@ class SearchOptions:
     (and shardplan.auto's choice with pipeline="auto") are planned as written."""
     model_constraints: str = "hint"
     """The model's own sharding constraints (`jax.lax.with_sharding_constraint`, flax's
-    `nn.with_logical_constraint`, MaxText's and Gemma's) and the logical axis names its flax
-    parameters carry: "hint" holds each value to the layout the model asks for (re-placed on
-    the plan's mesh where the model was built for another, e.g. one device), priced by the
-    planner; "ignore" lays those values out as the planner chooses. Neither binds a
-    constraint as written; the plan's notes say what was done with each."""
+    `nn.with_logical_constraint`, MaxText's and Gemma's): "hint" holds each value to the
+    layout the model asks for (re-placed on the plan's mesh where the model was built for
+    another, e.g. one device), priced by the planner; "ignore" lays those values out as the
+    planner chooses. Neither binds a constraint as written; the plan's notes say what was
+    done with each. shardplan.hints.with_boxes, given "ignore", also leaves unread the logical
+    axis names the model's flax parameters carry."""
 
     def __post_init__(self):
         object.__setattr__(self, "hints", Hints.of(self.hints))

@@ -35,8 +35,7 @@ def _source_strategies(value: Value, role: Role, mesh: MeshShape, max_split_dims
     return [Strategy(f"input{s}", (), (s,), 0.0) for s in specs]
 
 
-def _held(graph: Graph, strategies: list[list[Strategy]],
-          pins: hints_mod.ModelPins) -> list[list[Strategy]]:
+def _held(strategies: list[list[Strategy]], pins: hints_mod.ModelPins) -> list[list[Strategy]]:
     """Node strategies with each model constraint read as a hint held to its layout: the
     strategies its pin allows, or the one that holds the value in it (its free dimensions
     whole) where none does. Nodes of repeated layers keep sharing one list."""
@@ -80,8 +79,7 @@ class Problem(ReshardPrices):
                                                   options.max_split_dims)
             self.strategies.append(sources[key])
         self.model_pins = hints_mod.model_pins(graph, mesh, options.model_constraints)
-        self.strategies += _held(graph, registry.strategies_of_graph(graph, mesh),
-                                 self.model_pins)
+        self.strategies += _held(registry.strategies_of_graph(graph, mesh), self.model_pins)
         self.producer: dict[int, tuple[int, int]] = {v: (i, 0) for i, v in enumerate(graph.inputs)}
         for node in graph.nodes:
             for k, v in enumerate(node.outputs):
