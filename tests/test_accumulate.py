@@ -1,6 +1,7 @@
-"""Gradient accumulation (shardplan.inter.accumulate): the step run as M micro-batches equals
-the plain step (planned on the 2x4 mesh, three optimizer steps, against one device), for each
-reduction of the loss; its plan needs less memory as M grows, for about the same compute."""
+"""Gradient accumulation (shardplan.inter.accumulate, accumulate_choices): the step run as M
+micro-batches equals the plain step (planned on the 2x4 mesh, three optimizer steps, against
+one device), for each reduction of the loss; its plan needs less memory as M grows, for about
+the same compute; the choices a planning driver tries."""
 
 import dataclasses
 
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import shardplan
 from shardplan.analysis import hlo
 from shardplan.inter import accumulate as acc
+from shardplan.inter import accumulate_choices as choices
 from shardplan.ir import interpret
 from shardplan.ir.trace import trace
 from shardplan.models import base, gpt
@@ -117,7 +119,7 @@ def test_nnx_model_accumulated_equals_the_plain_step(mesh2x4):
         return jnp.mean((nnx.merge(graphdef, params)(x) - y) ** 2)
 
     step, opt = _adamw_step(loss_fn)
-    assert acc.infer_reduction(step, (params, opt.init(params), x, y)) == "mean"
+    assert choices.infer_reduction(step, (params, opt.init(params), x, y)) == "mean"
     check_three_steps(step, (params, opt.init(params), x, y), mesh2x4, 2)
 
 
@@ -142,7 +144,7 @@ def test_scanned_transformer_blocks_accumulated_equal_the_plain_step(mesh2x4):
         return base.cross_entropy(logits, batch["labels"])
 
     step, _ = _adamw_step(loss_fn, opt)
-    assert acc.infer_reduction(step, (params, opt_state, batch)) == "mean"
+    assert choices.infer_reduction(step, (params, opt_state, batch)) == "mean"
     traced = acc.accumulated(step, (params, opt_state, batch), 2)
     scans = [e for e in traced.closed_jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     assert [e.params["length"] for e in scans] == [2]
@@ -220,7 +222,7 @@ def test_a_masked_mean_is_the_weighted_mean_of_micro_batch_means():
 ], ids=["mean", "mean+l2", "cross-entropy", "sum", "scaled-sum", "masked-mean"])
 def test_infer_reduction_says_mean_only_for_a_mean_over_the_batch(loss_fn, want):
     step, args = _linear_step(loss_fn)
-    assert acc.infer_reduction(step, args, batch_argnums=(1, 2, 3)) == want
+    assert choices.infer_reduction(step, args, batch_argnums=(1, 2, 3)) == want
 
 
 def test_aux_outputs_are_reduced_like_the_loss():
@@ -337,12 +339,12 @@ def test_accumulated_traced_step_keeps_the_steps_inputs_outputs_and_roles():
 ])
 def test_micro_batch_choices(batch, mesh, want):
     step, args = _mlp(batch)
-    assert acc.micro_batch_choices(trace(step, args), mesh) == want
+    assert choices.micro_batch_choices(trace(step, args), mesh) == want
 
 
 def test_micro_batch_choices_on_a_mesh(mesh2x4):
     step, args = _mlp(64)
-    assert acc.micro_batch_choices(trace(step, args), mesh2x4) == [1, 2, 4, 8]
+    assert choices.micro_batch_choices(trace(step, args), mesh2x4) == [1, 2, 4, 8]
 
 
 def test_errors_say_what_to_change():
@@ -352,7 +354,7 @@ def test_errors_say_what_to_change():
     plain_grad = lambda w, x: (w - jax.grad(lambda w: jnp.mean(x @ w))(w),)
     with pytest.raises(acc.AccumulationError, match="shardplan.value_and_grad"):
         acc.accumulated(plain_grad, args[:2], 2)
-    assert acc.infer_reduction(plain_grad, args[:2]) is None
+    assert choices.infer_reduction(plain_grad, args[:2]) is None
     with pytest.raises(ValueError, match="num_micro_batches=0"):
         acc.accumulate(step, 0)
     with pytest.raises(ValueError, match="reduction='average'"):
@@ -424,7 +426,7 @@ def test_partial_sums_matching_the_batch_layout_reduce_the_gradients_once(mesh2x
     micro-batch: fewer bytes sent, by the cost model and in the compiled program."""
     step, args = _activation_heavy()
     one = shardplan.auto(acc.accumulate(step, 4), mesh=mesh2x4, cache=False)
-    lanes = acc.partial_sums_for(one.plan(*args).in_specs["[2]"], mesh2x4)
+    lanes = choices.partial_sums_for(one.plan(*args).in_specs["[2]"], mesh2x4)
     assert lanes > 1
     per_device = shardplan.auto(acc.accumulate(step, 4, partial_sums=lanes), mesh=mesh2x4,
                                 cache=False)
@@ -440,5 +442,5 @@ def test_partial_sums_matching_the_batch_layout_reduce_the_gradients_once(mesh2x
 @pytest.mark.parametrize("spec, want", [(P(), 1), (P(None, "model"), 1), (P("data"), 2),
                                         (P(("data", "model")), 8), (P("model", None), 4)])
 def test_partial_sums_for_a_batch_spec(mesh2x4, spec, want):
-    assert acc.partial_sums_for(spec, mesh2x4) == want
-    assert acc.partial_sums_for(spec, MeshShape(("data", "model"), (2, 4))) == want
+    assert choices.partial_sums_for(spec, mesh2x4) == want
+    assert choices.partial_sums_for(spec, MeshShape(("data", "model"), (2, 4))) == want
