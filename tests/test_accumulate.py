@@ -347,6 +347,16 @@ def test_micro_batch_choices_on_a_mesh(mesh2x4):
     assert choices.micro_batch_choices(trace(step, args), mesh2x4) == [1, 2, 4, 8]
 
 
+def test_batch_arguments_of_two_sizes_are_refused():
+    step, (w, x, y, _) = _linear_step(
+        lambda w, x, y, mask: jnp.mean(x @ w) + jnp.mean(y) + jnp.mean(mask))
+    args = (w, x, y[:4], jnp.ones((8,)))
+    with pytest.raises(acc.AccumulationError, match=r"leading dimensions \[4, 8\]"):
+        choices.micro_batch_choices(trace(step, args, batch_argnums=(1, 2, 3)), (2, 4),
+                                    batch_argnums=(1, 2, 3))
+    assert choices.infer_reduction(step, args, batch_argnums=(1, 2, 3)) is None
+
+
 def test_errors_say_what_to_change():
     step, args = _mlp(6)
     with pytest.raises(acc.AccumulationError, match=r"dimension 6, not divisible by 4"):

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from shardplan import _compat
+from shardplan.inter import accumulate
 from shardplan.inter import split as split_mod
-from shardplan.inter.accumulate import AccumulationError, split
 from shardplan.ir.trace import TracedStep, trace
 from shardplan.strategies.spec import MeshShape
 
@@ -32,16 +32,15 @@ def infer_reduction(fn: Callable, args: Sequence, *,
     1 / f part of it (f the batch's least divisor above 1): "mean" when those that differ
     pair up as x_whole = f x_part (a divisor) or x_part / f (its reciprocal). A step that
     cannot be split (AccumulationError) has no reduction to read: None."""
-    traced = trace(fn, args, state_argnums, batch_argnums)
-    rows = batch_size(traced, batch_argnums)
-    f = next((d for d in range(2, (rows or 0) + 1) if rows % d == 0), None)
-    if f is None:
-        return None
     try:
-        whole, part = (split(fn, args, k, state_argnums=state_argnums,
-                             batch_argnums=batch_argnums) for k in (1, f))
-        consts = [_loss_constants(s) for s in (whole, part)]
-    except AccumulationError:
+        rows = batch_size(trace(fn, args, state_argnums, batch_argnums), batch_argnums)
+        f = next((d for d in range(2, (rows or 0) + 1) if rows % d == 0), None)
+        if f is None:
+            return None
+        consts = [_loss_constants(accumulate.split(fn, args, k, state_argnums=state_argnums,
+                                                   batch_argnums=batch_argnums))
+                  for k in (1, f)]
+    except accumulate.AccumulationError:
         return None
     only_whole, only_part = consts[0] - consts[1], consts[1] - consts[0]
     if not only_whole or sum(only_whole.values()) != sum(only_part.values()):
@@ -103,8 +102,9 @@ def batch_size(traced: TracedStep, batch_argnums: Sequence[int] | None = None) -
     if not sizes:
         return None
     if len(sizes) > 1:
-        raise AccumulationError(f"the batch arguments have leading dimensions {sorted(sizes)}; "
-                                "micro-batches need one batch size: pass batch_argnums=(...)")
+        raise accumulate.AccumulationError(
+            f"the batch arguments have leading dimensions {sorted(sizes)}; micro-batches need "
+            "one batch size: pass batch_argnums=(...)")
     return sizes.pop()
 
 
