@@ -89,7 +89,8 @@ def run(shardplan, me, model, mesh, hardware):
     if hardware == "hosts":  # hosts of 4 devices: the processes
         hardware = HardwareProfile.two_level(4, intra_bandwidth=1e10, inter_bandwidth=1e9)
     step = shardplan.auto(step_fn, mesh=mesh, hardware=hardware, pipeline="auto",
-                          num_micro_batches=8 if model is scanned else 4, time_limit=10.0)
+                          num_micro_batches=8 if model is scanned else 4, time_limit=10.0,
+                          deterministic=True)
     rows = slice(me * model.ROWS, (me + 1) * model.ROWS)
     params, losses, out = model.initial_params(), [], {}
     for i in range(3):
@@ -113,7 +114,7 @@ def run(shardplan, me, model, mesh, hardware):
 def mismatch(shardplan, me, mesh):
     """pipeline="auto" where process 1 decides otherwise than process 0: the error."""
     step = shardplan.auto(marked.make_step(shardplan), mesh=mesh, hardware="cpu",
-                          pipeline="auto", num_micro_batches=4, time_limit=10.0)
+                          pipeline="auto", num_micro_batches=4, time_limit=10.0, deterministic=True)
     rows = slice(me * marked.ROWS, (me + 1) * marked.ROWS)
     x, y = marked.global_batch(0)
     try:
@@ -135,7 +136,8 @@ def cached(shardplan, me, mesh, original, directory):
     fps = []
     for _ in range(2):
         step = shardplan.auto(step_fn, mesh=mesh, hardware="cpu", pipeline="auto",
-                              num_micro_batches=8, time_limit=10.0, cache=directory)
+                              num_micro_batches=8, time_limit=10.0, deterministic=True,
+                              cache=directory)
         args = shardplan.global_args(step, scanned.initial_params(), x[rows], y[rows])
         fps.append(shardplan.fingerprint.plan_fingerprint(step.plan(*args)))
         jax.block_until_ready(step(*args))

@@ -78,7 +78,7 @@ def run(shardplan, mesh, me, step_fn, num_stages, schedule, want, want_losses):
     out = {}
     step = shardplan.auto(step_fn, mesh=mesh, hardware="cpu", pipeline=True,
                           num_stages=num_stages, num_micro_batches=4, schedule=schedule,
-                          time_limit=10.0)
+                          time_limit=10.0, deterministic=True)
     params, losses, plan = initial_params(), [], None
     rows = slice(me * ROWS, (me + 1) * ROWS)
     for i in range(3):

@@ -94,7 +94,8 @@ def run(shardplan, hlo_collectives, mesh, devices, me, step_fn, schedule, want, 
     """3 pipelined steps with `schedule`, from process-local rows: what this process saw."""
     out = {}
     step = shardplan.auto(step_fn, mesh=mesh, hardware="cpu", pipeline=True,
-                          num_micro_batches=8, schedule=schedule, time_limit=10.0)
+                          num_micro_batches=8, schedule=schedule, time_limit=10.0,
+                          deterministic=True)
     params, losses, plan = initial_params(), [], None
     rows = slice(me * ROWS, (me + 1) * ROWS)
     for i in range(3):

@@ -41,7 +41,7 @@ def test_extrapolated_candidates_agree_with_the_full_compile(devices):
     2% of the 8-layer program compiled in full: step time, communication, peak memory."""
     layers = 8
     traced, _ = _lifted("gpt", num_layers=layers)
-    options = DEFAULTS.replace(measure=False, time_limit=60)
+    options = DEFAULTS.replace(measure=False, time_limit=60, deterministic=True)
     plan, graph, _ = plan_step(traced, SHAPE, HW, options)
     assert depth.layer_period(graph) == (layers, 1)
     mesh = targets.cpu_mesh(SHAPE)
@@ -73,8 +73,8 @@ def test_a_plan_of_another_step_is_compiled_in_full(devices):
     """Shallow copies of another model (a wider GPT) do not map onto the step: the candidate
     is compiled in full, not extrapolated."""
     traced, graph = _lifted("gpt", num_layers=6)
-    plan, graph, _ = plan_step(traced, SHAPE, HW, DEFAULTS.replace(measure=False,
-                                                                   time_limit=30))
+    plan, graph, _ = plan_step(traced, SHAPE, HW, DEFAULTS.replace(
+        measure=False, time_limit=30, deterministic=True))
     wrong = _shallow(6, hidden=128)
     got = depth.compiler(graph, traced, wrong, targets.cpu_mesh(SHAPE), HW,
                          traced.state_argnums)("searched", plan)

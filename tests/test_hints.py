@@ -156,7 +156,7 @@ def test_linen_logical_partitioning_pins_the_kernels(mesh2x4):
     step, args = _problem()
     assert isinstance(args[0]["params"]["Dense_0"]["kernel"], nn.LogicallyPartitioned)
     hints = shardplan.Hints({"2/**": P("batch")}, logical_axis_rules=RULES)
-    planned = shardplan.auto(step, mesh=mesh2x4, hints=hints, time_limit=10)
+    planned = shardplan.auto(step, mesh=mesh2x4, hints=hints, time_limit=10, deterministic=True)
     plan = planned.plan(*args)
     specs = plan.in_specs
     for arg in ("[0]", "[1][0].mu", "[1][0].nu"):
@@ -175,7 +175,8 @@ def test_logical_specs_of_unboxed_params(mesh2x4):
     opt_state = optax.adam(1e-2).init(params)
     hints = shardplan.Hints(logical_axis_rules=RULES, logical_specs=specs)
     plan = shardplan.search(step, params, opt_state, args[2], mesh_shape=(2, 4),
-                            axis_names=("data", "model"), hints=hints, time_limit=10)
+                            axis_names=("data", "model"), hints=hints, time_limit=10,
+                            deterministic=True)
     for arg in ("[0]", "[1][0].mu", "[1][0].nu"):
         assert plan.in_specs[f"{arg}['params']['Dense_0']['kernel']"] == P(None, "model")
         assert plan.in_specs[f"{arg}['params']['Dense_1']['kernel']"] == P("model")
@@ -184,7 +185,8 @@ def test_logical_specs_of_unboxed_params(mesh2x4):
 def test_a_pattern_puts_the_batch_on_data(mesh2x4):
     step, args = _problem()
     args = (nn.meta.unbox(args[0]), optax.adam(1e-2).init(nn.meta.unbox(args[0])), args[2])
-    planned = shardplan.auto(step, mesh=mesh2x4, hints={"2/**": P("data")}, time_limit=10)
+    planned = shardplan.auto(step, mesh=mesh2x4, hints={"2/**": P("data")}, time_limit=10,
+                             deterministic=True)
     plan = planned.plan(*args)
     assert plan.in_specs["[2][0]"] == P("data") and plan.in_specs["[2][1]"] == P("data")
     _same_as_single_device(planned, step, args, steps=1)
@@ -219,7 +221,8 @@ def test_nnx_with_partitioning_names():
 
     x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
     plan = shardplan.search(step, state, x, mesh_shape=(2, 4), axis_names=("data", "model"),
-                            hints=shardplan.Hints(logical_axis_rules=RULES), time_limit=10)
+                            hints=shardplan.Hints(logical_axis_rules=RULES), time_limit=10,
+                            deterministic=True)
     assert plan.in_specs["[0]['up']['kernel'].value"] == P(None, "model")
     assert plan.out_specs["[0]['up']['kernel'].value"] == P(None, "model")
     assert any(n.startswith("hints pinned 1 of") for n in plan.notes)

@@ -37,7 +37,8 @@ CASES = {
 def _data_parallel_peak(m, mesh) -> int:
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     plan, graph, _ = plan_step(traced, MeshShape.of(mesh), get_profile("cpu"),
-                               DEFAULTS.replace(time_limit=10.0), device_mesh=mesh)
+                               DEFAULTS.replace(time_limit=10.0, deterministic=True),
+                               device_mesh=mesh)
     dp = measure.expert_plans(graph, plan)["data_parallel"]
     lowered = measure.lower_plan(graph, traced, dp, mesh, m.state_argnums)
     return hlo.analyze(measure.compile_for_analysis(lowered)).peak_bytes
@@ -50,7 +51,7 @@ def test_a_plan_said_to_fit_fits_and_its_estimate_is_within_tolerance(name, mesh
     budget = int(share * _data_parallel_peak(m, mesh2x4))
     step = shardplan.auto(m.fn, mesh=mesh2x4, hardware="cpu", memory_budget=budget,
                           donate_argnums=m.state_argnums, state_argnums=m.state_argnums,
-                          batch_argnums=m.batch_argnums, time_limit=60)
+                          batch_argnums=m.batch_argnums, time_limit=60, deterministic=True)
     # (a generous limit: the check gets what the search leaves of it, and on a loaded machine
     # a 20 s search used it all and the check was skipped)
     plan = step.plan(*m.args)
@@ -152,7 +153,7 @@ def test_the_compiled_check_compiles_the_donation_the_step_runs_with(mesh2x4):
     budget = int(0.9 * _data_parallel_peak(m, mesh2x4))
     step = shardplan.auto(m.fn, mesh=mesh2x4, hardware="cpu", memory_budget=budget,
                           state_argnums=m.state_argnums, batch_argnums=m.batch_argnums,
-                          time_limit=60)
+                          time_limit=60, deterministic=True)
     plan = step.plan(*m.args)
     assert any(n.startswith("memory checked once compiled") for n in plan.notes), plan.notes
     with warnings.catch_warnings():
@@ -172,7 +173,8 @@ def test_the_memory_models_own_estimate_is_within_tolerance_of_the_compiled_peak
     m = get_model(name, "tiny", abstract=True)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     plan, graph, _ = plan_step(traced, MeshShape.of(mesh8), get_profile("cpu"),
-                               DEFAULTS.replace(time_limit=20.0), device_mesh=mesh8)
+                               DEFAULTS.replace(time_limit=20.0, deterministic=True),
+                               device_mesh=mesh8)
     lowered = measure.lower_plan(graph, traced, plan, mesh8, m.state_argnums)
     peak = hlo.analyze(measure.compile_for_analysis(lowered)).peak_bytes
     assert abs(peak / plan.estimate.peak_bytes - 1) <= TOLERANCE, (peak, plan.estimate.peak_bytes)
@@ -237,7 +239,7 @@ def test_a_kernel_read_whole_in_the_backward_is_held_whole_from_the_forward(mesh
         return got
 
     monkeypatch.setattr(memory.MemoryModel, "peak", peak)
-    options = DEFAULTS.replace(time_limit=20.0, state_argnums=m.state_argnums,
+    options = DEFAULTS.replace(time_limit=20.0, deterministic=True, state_argnums=m.state_argnums,
                                batch_argnums=m.batch_argnums)
     mesh = MeshShape.of(mesh2x4)
     plan, graph, _ = plan_step(traced, mesh, get_profile("cpu"), options, device_mesh=mesh2x4)
@@ -286,7 +288,7 @@ def test_gradients_reduced_together_are_held_until_their_combined_all_reduce(mes
             fixed[i] = ShardSpec.replicated(nd)
         elif graph.input_roles[i] == Role.BATCH and nd:
             fixed[i] = ShardSpec(((mesh8.axis_names[0],),) + ((),) * (nd - 1))
-    options = DEFAULTS.replace(time_limit=20.0, state_argnums=m.state_argnums,
+    options = DEFAULTS.replace(time_limit=20.0, deterministic=True, state_argnums=m.state_argnums,
                                batch_argnums=m.batch_argnums)
     plan, _ = plan_graph(graph, traced, MeshShape.of(mesh8), get_profile("cpu"), options,
                          device_mesh=mesh8, fixed_inputs=fixed)

@@ -116,7 +116,7 @@ def test_a_plan_over_hbm_is_never_said_to_fit(mesh2x4):
     _needs_libtpu()
     m = _mlp()
     step = shardplan.auto(m.fn, mesh=mesh2x4, hardware="tpu-v5e", cache=False,
-                          memory_budget=64 * 1024, time_limit=30,
+                          memory_budget=64 * 1024, time_limit=30, deterministic=True,
                           state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -165,6 +165,7 @@ def test_search_on_a_tpu_cluster_hands_back_the_compiled_programs(devices):
     m = _mlp()
     plan = shardplan.search(m.fn, *m.args, cluster="tpu-v5e-16", mesh_shape=(4, 4),
                             axis_names=("data", "model"), measure=True, time_limit=30,
+                            deterministic=True,
                             state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
     assert "v5e:4x4" in plan.compiled_by
     searched = plan.candidates[0]
@@ -192,7 +193,7 @@ def test_a_program_past_hbm_is_refused_and_never_said_to_fit(mesh2x4, monkeypatc
     monkeypatch.setattr(measure, "_COMPILED", {})
     m = _mlp()
     step = shardplan.auto(m.fn, mesh=mesh2x4, hardware="tpu-v5e", cache=False,
-                          memory_budget="15GiB", time_limit=30,
+                          memory_budget="15GiB", time_limit=30, deterministic=True,
                           state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
     with pytest.warns(UserWarning, match="refused each for want of memory"):
         plan = step.plan(*m.args)
