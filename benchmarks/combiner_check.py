@@ -21,11 +21,11 @@ MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
 
 
 def check(name: str, size: str, mesh_name: str, profile: str):
-    from shardplan import measure
     from shardplan.cost.hardware import get_profile
     from shardplan.ir.trace import trace
     from shardplan.models import get_model
     from shardplan.options import DEFAULTS
+    from shardplan.planning import compiled
     from shardplan.strategies.spec import MeshShape
 
     search = importlib.import_module("shardplan.search")
@@ -38,9 +38,9 @@ def check(name: str, size: str, mesh_name: str, profile: str):
     plan, graph, intra = search.plan_step(
         traced, MeshShape.of(mesh), hw, options, device_mesh=mesh,
         device_order=[d.id for d in mesh.devices.flat], donate_argnums=m.state_argnums)
-    lowered = measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
-    stats, priced = measure.compile_and_price(lowered, mesh, plan.mesh, hw,
-                                              measure.compute_dtype(graph))
+    lowered = compiled.lower_plan(graph, traced, plan, mesh, m.state_argnums)
+    stats, priced = compiled.compile_and_price(lowered, mesh, plan.mesh, hw,
+                                              compiled.compute_dtype(graph))
     if hw.forms_reduce_scatter:
         stats = stats.formed()
     ops = [op for op in stats.collectives if op.kind in ("all-reduce", "reduce-scatter")]

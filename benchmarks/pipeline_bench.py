@@ -39,7 +39,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from shardplan import measure
 from shardplan.analysis import targets
 from shardplan.cost.hardware import get_profile
 from shardplan.grad import stage_boundary, value_and_grad
@@ -52,7 +51,9 @@ from shardplan.ir.trace import trace
 from shardplan.models import base, get_config, layers
 from shardplan.models import gpt as gpt_mod
 from shardplan.options import SearchOptions
-from shardplan.search import choose, plan_step
+from shardplan.planning import compiled as compiled_mod
+from shardplan.planning.intra_op import plan_step
+from shardplan.planning.pipelines import choose
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import fmt_seconds
 
@@ -216,8 +217,8 @@ def run_spmd(size: str, batch: int, micro: int | None, dtype: str, which, compil
         row = {"cluster": name, "intra": intra.estimate.total_s,
                "intra_s": time.perf_counter() - t0, "spmd": {}}
         if compiled:
-            dt = measure.compute_dtype(graph)
-            row["intra_priced"] = measure.measure(graph, traced, intra, cpu, hw, "intra",
+            dt = compiled_mod.compute_dtype(graph)
+            row["intra_priced"] = compiled_mod.measure(graph, traced, intra, cpu, hw, "intra",
                                                   traced.state_argnums, dt).priced
         for S, sched in [(S, x) for x in schedules for S in (2, 4, 8)]:
             o = SearchOptions(pipeline="spmd", num_stages=S, num_micro_batches=micro,
@@ -233,7 +234,7 @@ def run_spmd(size: str, batch: int, micro: int | None, dtype: str, which, compil
                  "bubble": c.plan.estimate.bubble_fraction, "plan_s": time.perf_counter() - t0,
                  "note": c.plan.notes[-1]}
             if compiled:
-                _, priced = measure.price_spmd(step, args, c.plan, cpu, hw, dt,
+                _, priced = compiled_mod.price_spmd(step, args, c.plan, cpu, hw, dt,
                                                traced.state_argnums)
                 r["priced"] = priced
             row["spmd"][(sched, S)] = r

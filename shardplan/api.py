@@ -1,5 +1,5 @@
-"""auto() and search(), the public entry points: trace -> plan (shardplan.search, measured by
-shardplan.measure) -> emit, and the plan cache."""
+"""auto() and search(), the public entry points: trace -> plan (the driver, shardplan.planning)
+-> emit, and the plan cache."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan import _compat, distributed, fit, gcpause, measure, remat_search
+from shardplan import _compat, distributed, gcpause
 from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
@@ -25,6 +25,8 @@ from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions, path_str
 from shardplan.plan import Plan, load_plan
+from shardplan.planning import driver, remat
+from shardplan.planning.job import Job
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
@@ -125,7 +127,6 @@ class AutoStep:
         self.donate_argnums = tuple(donate_argnums)
         self.plan_cache = cache
         self._given_plan = plan
-        self.plan_cache = cache
         # signature -> (plan, the callable that runs it, its input shardings or None)
         self._cache: dict[tuple, tuple[Plan, Any, Any]] = {}
 
@@ -174,6 +175,11 @@ class AutoStep:
         fp = fingerprint_mod.of_step(traced, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
         multi = distributed.is_multi_controller()
+
+        def job(options: SearchOptions) -> Job:
+            return Job.make(traced, MeshShape.of(mesh), hw, options, device_mesh=mesh,
+                            donate_argnums=self.donate_argnums, fn=self.fn, args=args)
+
         if o.remat is True and o.pipeline is not False and self._given_plan is None:
             raise ValueError(f"remat=True rematerializes the layers of one program; pipeline="
                              f"{o.pipeline!r} plans as written: pass pipeline=False")
@@ -182,8 +188,7 @@ class AutoStep:
                 # Process 0 chooses (one program, SPMD or MPMD pipeline) and broadcasts the
                 # plan; every process checks it (its fingerprint covers the pipeline kind).
                 plan, pp = distributed.plan_auto_once(
-                    traced, mesh, hw, o, lambda: measure.choose_measured(
-                        self.fn, args, mesh, hw, o, traced, self.donate_argnums),
+                    traced, mesh, hw, o, lambda: driver.choose_program(job(o)),
                     cache_mod.PlanCache.of(self.plan_cache), donate_argnums=self.donate_argnums)
             else:
                 # The SPMD pipeline (process 0 plans it) where it applies, else the MPMD one
@@ -210,8 +215,7 @@ class AutoStep:
                 except Exception as e:  # noqa: BLE001  a bad entry is ignored; a planned one raises below
                     cache.discard(pipe_fp, f"its plan does not apply to this step "
                                            f"({type(e).__name__}: {str(e)[:200]})")
-            choice = measure.choose_measured(self.fn, args, mesh, hw, o, traced,
-                                             self.donate_argnums)
+            choice = driver.choose_program(job(o))
             if choice.pipelined and choice.plan.pipeline_kind == "spmd":
                 if cache is not None:
                     cache.store(pipe_fp, dataclasses.replace(choice.plan, device_mesh=None))
@@ -229,12 +233,9 @@ class AutoStep:
             def obtain():
                 if self._given_plan is not None:
                     return self._given_plan
-                return cache_mod.cached(self.plan_cache, step_fp, lambda: remat_search.plan(
-                    traced, o1, lambda t, o: fit.plan_checked(
-                        t, MeshShape.of(mesh), hw, o, device_mesh=mesh,
-                        device_order=[d.id for d in mesh.devices.flat],
-                        donate_argnums=self.donate_argnums)),
-                    check=lambda p: _check_cached(p, traced, mesh))
+                return cache_mod.cached(self.plan_cache, step_fp,
+                                        lambda: driver.plan_program(job(o1)),
+                                        check=lambda p: _check_cached(p, traced, mesh))
 
             plan = distributed.plan_once(step_fp, obtain, broadcast=self._given_plan is None)
             plan, graph = _adopt(plan, traced, mesh)
@@ -306,7 +307,7 @@ def _adopt(plan: Plan, traced: TracedStep, mesh):
     """The given plan checked against the step it is to run: (the plan on `mesh`, the graph).
     A different function only warns (the user may have edited it in a way that keeps the
     plan valid); different inputs or another mesh raise, as do specs that cannot apply."""
-    graph = lift(remat_search.traced_for(plan, traced).closed_jaxpr, traced.arg_info)
+    graph = lift(remat.traced_for(plan, traced).closed_jaxpr, traced.arg_info)
     again = "plan the step again (shardplan.auto without plan=, or shardplan.search)"
     actual = MeshShape.of(mesh)
     if tuple(plan.mesh.names) != tuple(actual.names) or tuple(plan.mesh.sizes) != tuple(actual.sizes):

@@ -29,7 +29,7 @@ from shardplan import files, models
 from shardplan.cluster import check_auto_devices
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.options import DEFAULTS, Hints, SearchOptions
-from shardplan.search import mesh_shapes
+from shardplan.planning.job import mesh_shapes
 from shardplan.units import parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")

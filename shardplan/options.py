@@ -183,7 +183,7 @@ class SearchOptions:
     """Pipeline schedule, one of SCHEDULES."""
     measure: bool = False
     """Also compile the searched plan and the expert plans with XLA, price each with the
-    hardware profile and keep the cheapest that fits (shardplan.measure)."""
+    hardware profile and keep the cheapest that fits (shardplan.planning.select)."""
     while_trips: float = 1.0
     """Iterations a while loop JAX knows no trip count of is priced at (scan and fori_loop
     with static bounds have theirs); the plan's notes say when this was used."""

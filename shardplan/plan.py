@@ -1,6 +1,6 @@
 """Plan: the PartitionSpec of every input, output and planned intermediate, the stages, the
 estimate (shardplan.cost.estimate); JSON round trip and a summary table. Values only: how a
-plan is found is shardplan.search, how it runs is shardplan.emit."""
+plan is found is shardplan.planning, how it runs is shardplan.emit."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class Plan:
     and the cost model alone made the estimate."""
     candidates: tuple = ()
     """Every program the measured selection compiled and priced, or why it failed
-    (shardplan.measure.MeasuredProgram: name, plan, priced, error); in memory only, not in
+    (shardplan.planning.compiled.MeasuredProgram: name, plan, priced, error); in memory only, not in
     plan files."""
 
     @property

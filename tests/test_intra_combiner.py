@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from shardplan import measure
 from shardplan.analysis import hlo
 from shardplan.cost.hardware import get_profile
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
@@ -18,6 +17,7 @@ from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
 from shardplan.options import DEFAULTS
+from shardplan.planning import compiled as compiled_mod
 from shardplan.strategies.base import Collective
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from tests.conftest import auto_mesh
@@ -35,8 +35,8 @@ def _plan_and_compile(name, mesh_name):
         traced, MeshShape.of(mesh), get_profile("cpu"), options, device_mesh=mesh,
         device_order=[d.id for d in mesh.devices.flat], donate_argnums=m.state_argnums,
         combine_gradients=True)  # the default; named: it is this test's subject
-    lowered = measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
-    return intra, hlo.analyze(measure.compile_for_analysis(lowered))
+    lowered = compiled_mod.lower_plan(graph, traced, plan, mesh, m.state_argnums)
+    return intra, hlo.analyze(compiled_mod.compile_for_analysis(lowered))
 
 
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
@@ -190,7 +190,7 @@ def test_ilp_prices_data_parallel_as_compiled_and_beats_it(devices):
     dp, intra = search.plan_graph(graph, traced, shape, hw, options,
                                   fixed_inputs=experts.expert_inputs(graph, shape)["data_parallel"],
                                   donated=search.donated_inputs(traced, m.state_argnums))
-    priced = {name: measure.measure(graph, traced, plan, mesh, hw, name, m.state_argnums).priced
+    priced = {name: compiled_mod.measure(graph, traced, plan, mesh, hw, name, m.state_argnums).priced
               for name, plan in (("searched", searched), ("dp", dp))}
     assert sum(op.count for op in _collectives(graph, traced, dp, mesh, m)
                if op.kind == "all-reduce") == 1
@@ -200,8 +200,8 @@ def test_ilp_prices_data_parallel_as_compiled_and_beats_it(devices):
 
 
 def _collectives(graph, traced, plan, mesh, m):
-    lowered = measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
-    return hlo.analyze(measure.compile_for_analysis(lowered)).collectives
+    lowered = compiled_mod.lower_plan(graph, traced, plan, mesh, m.state_argnums)
+    return hlo.analyze(compiled_mod.compile_for_analysis(lowered)).collectives
 
 
 def _solve_pinned(g, specs):
