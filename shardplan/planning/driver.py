@@ -49,8 +49,9 @@ def plan_program(job: Job) -> Plan:
     as_written = (f"needs at least {fmt_bytes(error.min_bytes)}" if error is not None else
                   f"its best plan needs {fmt_bytes(first.estimate.peak_bytes)}")
     d = job.deadline
-    rest = Deadline(max(d.limit_s - d.elapsed(), d.grace * d.limit_s), d.grace)
-    second, error2, caught2 = _attempt(job.replace(traced=rewritten, deadline=rest))
+    rest = max(d.limit_s - d.elapsed(), d.grace * d.limit_s)
+    second, error2, caught2 = _attempt(job.replace(
+        traced=rewritten, options=o.replace(time_limit=rest), deadline=Deadline(rest, d.grace)))
     if second is None:
         if first is not None:
             _rewarn(caught)
