@@ -50,7 +50,8 @@ def test_kept_plan_is_never_slower_than_any_candidate(block_selection):
     assert all(c.priced is not None for c in candidates), [c.error for c in candidates]
     best = min(c.priced.total_s for c in candidates)
     assert kept.estimate.total_s <= best * (1 + select.MARGIN)
-    assert any(n.startswith("measured (compiled by XLA, priced as a100-80gb)") for n in kept.notes)
+    assert any(n.startswith("measured (compiled by XLA:CPU") and "priced as a100-80gb" in n
+               for n in kept.notes), kept.notes
 
 
 def test_budget_excludes_candidates_that_do_not_fit(mesh2x4, block_selection):
