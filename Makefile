@@ -1,11 +1,13 @@
 VENV ?= .venv
+# the interpreter the virtualenv is made with (.ci/run also tests with a Python 3.12 one)
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install test test-all demo lint bench clean
 
 $(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev,tpu]"
 	touch $(STAMP)

@@ -10,7 +10,6 @@ bytes), and the plan's predicted communication time against the compiled program
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -26,18 +25,17 @@ def check(name: str, size: str, mesh_name: str, profile: str):
     from shardplan.models import get_model
     from shardplan.options import DEFAULTS
     from shardplan.planning import compiled
+    from shardplan.planning.intra_op import plan_step
     from shardplan.strategies.spec import MeshShape
 
-    search = importlib.import_module("shardplan.search")
     shape, names = MESHES[mesh_name]
     mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
     m = get_model(name, size, abstract=True)
     hw = get_profile(profile)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     options = DEFAULTS.replace(state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
-    plan, graph, intra = search.plan_step(
-        traced, MeshShape.of(mesh), hw, options, device_mesh=mesh,
-        device_order=[d.id for d in mesh.devices.flat], donate_argnums=m.state_argnums)
+    plan, graph, intra = plan_step(traced, MeshShape.of(mesh), hw, options, device_mesh=mesh,
+                                   donate_argnums=m.state_argnums)
     lowered = compiled.lower_plan(graph, traced, plan, mesh, m.state_argnums)
     stats, priced = compiled.compile_and_price(lowered, mesh, plan.mesh, hw,
                                               compiled.compute_dtype(graph))

@@ -5,7 +5,7 @@ planner reports it), data parallel's compiled peak, and three budgets between th
 budget is planned (`shardplan.auto(..., memory_budget=b)`), compiled, and the compiled peak
 (`memory_analysis()`: argument + output + temp - alias per device) set against the plan's
 estimate (to be within TOLERANCE) and the budget. Under a budget on devices the planner
-compiles its plan to check it (shardplan.fit): the estimate is then the compiled program's, and
+compiles its plan to check it (shardplan.planning.select): the estimate is then the compiled program's, and
 `compiled/model` sets the compiled peak against the memory model's own estimate. To see where the memory model and XLA
 differ, compile with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text" and read XLA's live
 set with benchmarks/xla_live.py DIR (from the buffers' intervals: the dump's own "Live ranges at

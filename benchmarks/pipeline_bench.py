@@ -19,7 +19,7 @@ priced:
 The model is the zoo's GPT with a shardplan.stage_boundary after every block but the last,
 so the layers are the blocks (the embedding rides with the first, the head with the last).
 Pure intra-op is shown two ways: the full-step ILP on the whole mesh
-(shardplan.search.plan_step, what shardplan.search.choose compares with; minutes on
+(shardplan.planning.intra_op.plan_graph, what shardplan.planning.pipelines.choose compares with; minutes on
 8x8, skip it with --no-full-ilp), and costed like the stages (the sum of the layers' ILPs on
 the whole mesh, the whole batch at once).
 """

@@ -20,7 +20,7 @@ import typing
 
 HERE = pathlib.Path(__file__).resolve().parent
 TARGET = HERE / "cli.md"
-COMMANDS = ("search", "bench", "show")
+COMMANDS = ("search", "bench", "show", "profile")
 HELP_WIDTH = "100"
 
 

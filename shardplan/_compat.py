@@ -10,6 +10,11 @@ import jax
 from jax.extend import core as jcore
 from jax.sharding import AxisType, Mesh
 
+try:  # jax >= 0.11 describes a scan's operands by a flat tree (no public name for it)
+    from jax._src import flattree as _flattree
+except ImportError:
+    _flattree = None
+
 ClosedJaxpr = jcore.ClosedJaxpr
 Jaxpr = jcore.Jaxpr
 Literal = jcore.Literal
@@ -42,6 +47,35 @@ def bind_eqn(eqn, invals):
         with ctx:
             out = eqn.primitive.bind(*subfuns, *invals, **params)
     return out if eqn.primitive.multiple_results else [out]
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """(constants, carries) among a scan's operands, which come first in that order (the
+    stacked inputs follow). Up to jax 0.10 the params say num_consts and num_carry; since
+    0.11 a flat tree `ft_in` of (constants, carries, stacked inputs) does."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def scan_params(params, jaxpr, num_consts: int) -> dict:
+    """`params` of a scan for a new body `jaxpr` (a ClosedJaxpr) that reads `num_consts`
+    constants, as many carries as before, then stacked inputs, and returns the carries then
+    stacked outputs (tests/test_remat.py rewrites scans with it)."""
+    _, num_carry = scan_counts(params)
+    num_xs = len(jaxpr.jaxpr.invars) - num_consts - num_carry
+    num_ys = len(jaxpr.jaxpr.outvars) - num_carry
+    new = dict(params, jaxpr=jaxpr)
+    if "num_consts" in params:
+        new["num_consts"] = num_consts
+        if "linear" in params:  # jax < 0.10 records which operands are linear
+            new["linear"] = (False,) * len(jaxpr.jaxpr.invars)
+        return new
+    new["ft_in"] = _flattree.pack((_flattree.nones(num_consts), _flattree.nones(num_carry),
+                                   _flattree.nones(num_xs)))
+    new["ft_out"] = _flattree.pack((_flattree.nones(num_carry), _flattree.nones(num_ys)))
+    return new
 
 
 def auto_mesh(mesh):
@@ -95,6 +129,8 @@ __all__ = [
     "is_jaxpr",
     "jax",
     "open_jaxpr",
+    "scan_counts",
+    "scan_params",
     "threefry_partitionable",
     "warn_at_caller",
 ]

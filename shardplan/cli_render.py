@@ -5,6 +5,7 @@ report.md."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ from shardplan import bench, files, report, report_plots
 from shardplan.config import Config
 from shardplan.cost import ring
 from shardplan.units import fmt_bytes, fmt_seconds
+from shardplan.workload import build_workload
 
 
 def shown(x) -> str:
@@ -86,8 +88,8 @@ def print_run(run, console) -> None:
     console.print(f"plan: {fmt_seconds(run.plan_total())} per step, peak {fmt_bytes(peak)} "
                   f"per device ({source}) against a budget of {fmt_bytes(run.budget)}: {fits}")
     if run.priced_plan is not None or run.baselines:
-        t = Table(title="plan vs baselines: XLA-compiled on CPU devices, priced as "
-                  f"{shown(run.hardware)}")
+        t = Table(title=f"plan vs baselines: compiled by {shown(report.compiled_by(run))}, "
+                  f"priced as {shown(run.hardware)}")
         for c in report.COMPARISON_HEADER:
             t.add_column(c, justify="left" if c == "program" else "right")
         for row in report.comparison_rows(run):
@@ -134,8 +136,27 @@ def write_outputs(config: Config, run, out_dir: str) -> list[str]:
                 "notes": list(run.notes),
             }, f, indent=1)
         written.append(path)
-    written += report_plots.write_report(run, out_dir, formats)
+    call = step_call(config) if "md" in formats else None
+    written += report_plots.write_report(run, out_dir, formats, call=call)
     return written
+
+
+def step_call(config: Config) -> report.StepCall:
+    """How the config's step is called, for the report's "use this plan" snippet: its
+    arguments named by its signature; for a zoo model, the lines that build it with arrays."""
+    work = build_workload(config)
+    source: list[str] = []
+    call = report.StepCall.of(work.fn, len(work.args), work.state_argnums)
+    m = config.model
+    if m.name is not None:
+        kwargs = ([f"batch_size={m.batch_size!r}"] if m.batch_size is not None else [])
+        kwargs += [f"{k}={v!r}" for k, v in sorted(m.zoo_overrides().items())]
+        given = ", ".join(call.args)
+        source = ["# the config's model, with arrays",
+                  f"ts = shardplan.models.get_model({', '.join([repr(m.name), repr(m.size), *kwargs])})",
+                  "train_step = ts.fn",
+                  f"{given}{',' if len(call.args) == 1 else ''} = ts.args"]
+    return dataclasses.replace(call, source=tuple(source))
 
 
 def _model_dict(plan) -> dict | None:

@@ -61,7 +61,11 @@ def check_mesh_axes(hints: Hints, axis_names) -> None:
                          "axis unsharded)")
 
 
-def with_boxes(hints: Hints, args) -> Hints:
-    """`hints` with the names the flax boxes in `args` carry (unchanged when none do)."""
+def with_boxes(hints: Hints, args, model_constraints: str = "hint") -> Hints:
+    """`hints` with the names the flax boxes in `args` carry (unchanged when none do, or when
+    the model's own annotations are ignored: SearchOptions.model_constraints="ignore";
+    tests/test_model_constraints.py::test_the_option_is_checked_and_box_names_follow_it)."""
+    if model_constraints == "ignore":
+        return hints
     found = box_names(args)
     return hints.with_logical_names(found) if found else hints

@@ -19,6 +19,8 @@ from shardplan.units import parse_bytes
 SCHEDULES = ("1f1b", "gpipe")
 """Pipeline schedules: 1F1B (PipeDream-flush) and GPipe."""
 PIPELINE_MODES = ("auto", True, False, "spmd", "mpmd")
+MODEL_CONSTRAINTS = ("hint", "ignore")
+"""What the planner does with the model's own sharding constraints (SearchOptions.model_constraints)."""
 
 BACKWARD_PER_FORWARD = 2.0
 """A micro-batch's backward takes about twice its forward: a stage's time per micro-batch is
@@ -196,6 +198,14 @@ class SearchOptions:
     activations): "auto" only where no plan of the step as written fits the memory budget
     and the rematerialized one does; True always; False never. One program only: pipelines
     (and shardplan.auto's choice with pipeline="auto") are planned as written."""
+    model_constraints: str = "hint"
+    """The model's own sharding constraints (`jax.lax.with_sharding_constraint`, flax's
+    `nn.with_logical_constraint`, MaxText's and Gemma's): "hint" holds each value to the
+    layout the model asks for (re-placed on the plan's mesh where the model was built for
+    another, e.g. one device), priced by the planner; "ignore" lays those values out as the
+    planner chooses. Neither binds a constraint as written; the plan's notes say what was
+    done with each. shardplan.hints.with_boxes, given "ignore", also leaves unread the logical
+    axis names the model's flax parameters carry."""
 
     def __post_init__(self):
         object.__setattr__(self, "hints", Hints.of(self.hints))
@@ -209,6 +219,10 @@ class SearchOptions:
             raise ValueError(f"pipeline={self.pipeline!r}: use 'auto', True, False, 'spmd' or "
                              "'mpmd'")
         check_schedule(self.schedule)
+        if self.model_constraints not in MODEL_CONSTRAINTS:
+            raise ValueError(f"model_constraints={self.model_constraints!r}: use 'hint' (the "
+                             "model's constraints held, priced) or 'ignore' (laid out by the "
+                             "planner)")
         if not (isinstance(self.remat, bool) or self.remat == "auto"):
             raise ValueError(f"remat={self.remat!r}: use 'auto', True or False")
         if self.remat is True and self.pipeline in (True, "spmd", "mpmd"):

@@ -8,6 +8,7 @@ compiled, the plan and every baseline priced by one hardware profile (analysis/p
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 
@@ -135,6 +136,13 @@ class Run:
         return priced.total_s / best[1].total_s
 
 
+def compiled_by(run: Run) -> str:
+    """Which compiler compiled the programs compared (the plan's record of it, without the
+    reason a stand-in was used), e.g. 'XLA:CPU (jaxlib 0.10.2) standing in for a100-80gb'."""
+    by = run.plan.compiled_by.split(": ", 1)[0]
+    return by or "XLA:CPU on CPU devices standing in for the cluster"
+
+
 def model_estimate(plan: Plan) -> tuple[str, Estimate | None]:
     """The cost model's figures for the plan and what they are of: the plan's own; where the
     measured selection kept an expert plan the cost model never priced (input shardings only,
@@ -203,8 +211,13 @@ def layer_of(op_name: str) -> str | None:
 
 def cost_by_layer(plan: Plan) -> list[tuple[str, float, float]]:
     """(group, compute_s, comm_s) of the plan's ops grouped by layer in layer order, the rest
-    as 'other'; by primitive (costliest 12) when no op name has a layer. A last 'resharding'
-    group holds the estimate's time between ops (values moved from one spec to another)."""
+    as 'other'; by primitive (the costliest 11, then 'other primitives') when no op name has
+    a layer. The groups add up to the cost model's step (model_estimate), column by column:
+    where the estimate holds more than the ops' own costs (values resharded between ops, the
+    step's inputs read and outputs written), a last 'outside the ops' group holds the
+    difference; where it holds less (the estimate pays one
+    latency for all-reduces XLA combines across layers, and nothing for partial sums XLA has
+    already reduced, which each op prices alone), every group's share is scaled down alike."""
     groups: dict[str, list[float]] = {}
     has_layers = any(layer_of(o.name) for o in plan.ops)
     for o in plan.ops:
@@ -218,15 +231,29 @@ def cost_by_layer(plan: Plan) -> list[tuple[str, float, float]]:
             return (k == "other", re.sub(r"_\d+$", "", k), int(m.group()) if m else 0)
         keys = sorted(groups, key=order)
     else:
-        keys = sorted(groups, key=lambda k: -sum(groups[k]))[:12]
-    rows = [(k, groups[k][0], groups[k][1]) for k in keys]
-    # what the estimate holds beyond the ops' own costs: resharding between them (ILP edges)
-    e = plan.estimate
-    rest = (e.compute_s - sum(g[0] for g in groups.values()),
-            e.comm_s - sum(g[1] for g in groups.values()))
-    if plan.ops and rest[1] > 1e-3 * max(e.total_s, 1e-30):
-        rows.append(("resharding", max(rest[0], 0.0), rest[1]))
-    return rows
+        keys = sorted(groups, key=lambda k: -sum(groups[k]))
+        if len(keys) > 12:
+            rest = [sum(groups[k][c] for k in keys[11:]) for c in (0, 1)]
+            keys = keys[:11] + ["other primitives"]
+            groups["other primitives"] = rest
+    rows = [[k, groups[k][0], groups[k][1]] for k in keys]
+    e = model_estimate(plan)[1]
+    if not rows or e is None:
+        return [tuple(r) for r in rows]
+    extra = [0.0, 0.0]
+    for c, total in ((1, e.compute_s), (2, e.comm_s)):
+        own = sum(r[c] for r in rows)
+        if total > own:
+            extra[c - 1] = total - own
+        elif own > 0:
+            for r in rows:
+                r[c] *= total / own
+    if extra[1] > 1e-3 * max(e.total_s, 1e-30) or extra[0] > 1e-3 * max(e.total_s, 1e-30):
+        rows.append(["outside the ops", extra[0], extra[1]])
+    else:  # a rounding's worth: kept in the last group so the sum stays the step's
+        rows[-1][1] += extra[0]
+        rows[-1][2] += extra[1]
+    return [tuple(r) for r in rows]
 
 
 # -- plots ----------------------------------------------------------------------------------
@@ -282,22 +309,106 @@ def verification_rows(v: Verification) -> list[list[str]]:
     ]
 
 
-def use_this_plan(run: Run) -> list[str]:
-    """The report's "use this plan" section: the code that loads plan.json and runs it."""
+@dataclasses.dataclass(frozen=True)
+class StepCall:
+    """How the planned step is called: its arguments' names (from its signature), which are
+    state (donated in the snippet), and where the step and its arguments come from."""
+
+    args: tuple[str, ...]
+    state_argnums: tuple[int, ...] | None = None
+    source: tuple[str, ...] = ()
+    """Lines that bind `train_step` and the arguments (a zoo model's get_model call); empty:
+    the user binds them."""
+
+    @classmethod
+    def of(cls, fn, num_args: int, state_argnums=None, source: Sequence[str] = ()) -> StepCall:
+        """The call of `fn` with `num_args` positional arguments, named as its signature names
+        them (arguments a `*args` parameter takes are named after it: extra0, extra1, ...)."""
+        names: list[str] = []
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        rest = None
+        for p in params:
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                names.append(p.name)
+            elif p.kind is p.VAR_POSITIONAL:
+                rest = p.name
+                break
+        names = names[:num_args]
+        base = rest or "arg"
+        names += [f"{base}{i}" for i in range(num_args - len(names))]
+        state = None if state_argnums is None else tuple(state_argnums)
+        return cls(tuple(names), state, tuple(source))
+
+
+def _top_level(names: Sequence[str], specs: Sequence) -> dict[int, dict[str, int]]:
+    """Leaf paths and ranks by argument (or output) index: '[1][0].mu[...]' -> 1: {...: 2}."""
+    out: dict[int, dict[str, int]] = {}
+    for n, s in zip(names, specs):
+        m = re.match(r"\[(\d+)\]", n)
+        if m:
+            out.setdefault(int(m.group(1)), {})[n[m.end():]] = s.ndim
+    return out
+
+
+def result_names(plan: Plan, args: Sequence[str], state_argnums=None) -> list[str]:
+    """Names for the step's outputs: an output with the pytree and ranks of a state argument
+    (any argument when the state is not known) is that argument's new value, the one scalar
+    output left is the loss, others are out<k>."""
+    ins = _top_level(plan.input_names, plan.input_specs)
+    outs = _top_level(plan.output_names, plan.output_specs)
+    state = range(len(args)) if state_argnums is None else state_argnums
+    names, used = [], set()
+    for k in range(max(outs, default=-1) + 1):
+        same = [i for i in sorted(set(state) & set(ins)) if ins[i] == outs.get(k)
+                and i < len(args) and i not in used]
+        if same:
+            i = k if k in same else same[0]
+            used.add(i)
+            names.append(args[i])
+        else:
+            names.append(f"out{k}")
+    scalars = [k for k, n in enumerate(names) if n == f"out{k}" and outs.get(k) == {"": 0}]
+    if len(scalars) == 1 and "loss" not in names:
+        names[scalars[0]] = "loss"
+    return names
+
+
+def use_this_plan(run: Run, call: StepCall | None = None) -> list[str]:
+    """The report's "use this plan" section: the code that loads plan.json and runs the step
+    with it, calling the step with its own arguments (`call`; without it, `*args`)."""
     names, sizes = run.plan.mesh.names, run.plan.mesh.sizes
-    return ["## Use this plan", "",
-            ("The plan is saved as `plan.json` beside this report. Run your step with it (no "
-             "search; shardplan checks that the step, its input shapes and the mesh are the "
-             "ones it was planned for):"), "", "```python", "import jax", "import shardplan", "",
-            'plan = shardplan.load_plan("plan.json")',
-            f"mesh = jax.make_mesh({tuple(sizes)}, {tuple(names)})",
-            "# donate_argnums: the positions of the state (parameters, optimizer state)",
-            "step = shardplan.auto(train_step, mesh=mesh, plan=plan, donate_argnums=(0, 1))",
-            "state, *rest = step(state, batch)      # the same arguments as train_step", "```",
-            "", "`shardplan show plan.json` prints its summary.", ""]
+    if call is None:
+        donate, binds, result, given = "", [], "outputs", "*args"
+        where = ["# train_step: the step this plan was made for; args: its arguments, as arrays"]
+    else:
+        state = call.state_argnums
+        donate = f", donate_argnums={tuple(state)}" if state else ""
+        given = ", ".join(call.args)
+        outs = result_names(run.plan, call.args, state)
+        result = ", ".join(outs) if outs else "outputs"
+        if len(outs) == 1:
+            result += ","
+        binds = list(call.source)
+        where = ([] if binds else
+                 [f"# train_step({given}): the step this plan was made for; its arguments as arrays"])
+    lines = ["## Use this plan", "",
+             ("The plan is saved as `plan.json` beside this report. Run the step with it (no "
+              "search; shardplan checks that the step, its input shapes and the mesh are the "
+              "ones it was planned for):"), "", "```python", "import jax", "", "import shardplan",
+             "", *binds, *where,
+             'plan = shardplan.load_plan("plan.json")',
+             f"mesh = jax.make_mesh({tuple(sizes)}, {tuple(names)})",
+             f"step = shardplan.auto(train_step, mesh=mesh, plan=plan{donate})",
+             f"{result} = step({given})", "```", "",
+             "`shardplan show plan.json` prints its summary.", ""]
+    return lines
 
 
-def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
+def report_markdown(run: Run, images: Sequence[tuple[str, str]] = (),
+                    call: StepCall | None = None) -> str:
     plan, e = run.plan, run.plan.estimate
     lines = [f"# shardplan: {run.label} on {run.hardware}", ""]
     if run.description:
@@ -327,13 +438,16 @@ def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
         lines.append("")
     lines += ["## Plan vs baselines", ""]
     if run.priced_plan is not None:
-        lines += [("Every `(XLA)` row is a program compiled by XLA on CPU devices standing in "
-                   f"for the cluster and priced with the `{run.hardware}` profile (flops at its "
-                   "peak, every collective of the partitioned HLO at the alpha-beta cost of the "
-                   "links it spans). Where XLA:CPU keeps an all-reduce whose result each device "
-                   "only slices, or sends bf16 values widened to f32, an accelerator profile "
-                   "prices the reduce-scatter and the bf16 bytes a GPU/TPU would run, alike for "
-                   "the plan and the baselines (`shardplan/analysis/price.py`)."), ""]
+        compiler = compiled_by(run)
+        text = (f"Every `(XLA)` row is a program compiled by {compiler} and priced with the "
+                f"`{run.hardware}` profile (flops at its peak, every collective of the "
+                "partitioned HLO at the alpha-beta cost of the links it spans).")
+        if compiler.startswith("XLA:CPU") and run.hardware != "cpu":
+            text += (" Where XLA:CPU keeps an all-reduce whose result each device only slices, "
+                     "or sends bf16 values widened to f32, the accelerator profile prices the "
+                     "reduce-scatter and the bf16 bytes a GPU/TPU would run, alike for the plan "
+                     "and the baselines (`shardplan/analysis/price.py`).")
+        lines += [text, ""]
     lines += md_table(COMPARISON_HEADER, comparison_rows(run))
     lines.append("")
     if run.ratio() is not None:
@@ -359,7 +473,7 @@ def report_markdown(run: Run, images: Sequence[tuple[str, str]] = ()) -> str:
             (o.primitive, o.name[-60:], o.strategy, fmt_seconds(o.compute_s),
              fmt_seconds(o.comm_s)) for o in ops])
         lines.append("")
-    lines += use_this_plan(run)
+    lines += use_this_plan(run, call)
     notes = tuple(plan.notes) + tuple(run.notes)
     if notes:
         lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]

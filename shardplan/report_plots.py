@@ -9,7 +9,15 @@ from collections.abc import Sequence
 
 from shardplan import timeline
 from shardplan.plan import Plan
-from shardplan.report import Run, cost_by_layer, memory_rows, mesh_str, report_markdown
+from shardplan.report import (
+    Run,
+    StepCall,
+    cost_by_layer,
+    memory_rows,
+    mesh_str,
+    model_estimate,
+    report_markdown,
+)
 from shardplan.units import fmt_bytes
 
 
@@ -23,7 +31,8 @@ def _figure(figsize):
 
 
 def plot_layer_costs(plan: Plan, path: str) -> str | None:
-    """Stacked compute / communication time per layer of the plan (cost model)."""
+    """Stacked compute / communication time per layer of the plan: the cost model's step,
+    divided among the layers (report.cost_by_layer), so the bars add up to it."""
     rows = cost_by_layer(plan)
     if not rows:
         return None
@@ -34,8 +43,11 @@ def plot_layer_costs(plan: Plan, path: str) -> str | None:
     ax.bar(xs, comp, label="compute", color="#4C72B0")
     ax.bar(xs, comm, bottom=comp, label="communication", color="#DD8452")
     ax.set_xticks(list(xs), [r[0] for r in rows], rotation=60, ha="right", fontsize=8)
+    label, e = model_estimate(plan)
     ax.set_ylabel("ms per step (cost model)")
-    ax.set_title(f"plan cost per layer, mesh {mesh_str(plan)}")
+    whole = f"; {e.total_s * 1e3:.3g} ms per step in all" if e is not None else ""
+    ax.set_title(f"{label.removesuffix(' (cost model)')} cost per layer, mesh {mesh_str(plan)}"
+                 f"\n(the cost model's step{whole})", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -97,8 +109,10 @@ def plot_timeline(run: Run, path: str) -> str | None:
 # -- report.md ------------------------------------------------------------------------------
 
 
-def write_report(run: Run, out_dir: str, formats: Sequence[str] = ("json", "md", "png")) -> list[str]:
-    """Write report.md (and its PNG plots) into out_dir; returns the paths written."""
+def write_report(run: Run, out_dir: str, formats: Sequence[str] = ("json", "md", "png"),
+                 call: StepCall | None = None) -> list[str]:
+    """Write report.md (and its PNG plots) into out_dir; returns the paths written. `call`:
+    how the step is called, for the report's "use this plan" snippet."""
     os.makedirs(out_dir, exist_ok=True)
     written: list[str] = []
     images: list[tuple[str, str]] = []
@@ -120,6 +134,6 @@ def write_report(run: Run, out_dir: str, formats: Sequence[str] = ("json", "md",
     if "md" in formats:
         path = os.path.join(out_dir, "report.md")
         with open(path, "w") as f:
-            f.write(report_markdown(run, images))
+            f.write(report_markdown(run, images, call))
         written.append(path)
     return written

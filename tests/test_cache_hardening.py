@@ -42,6 +42,7 @@ OPTION_VARIANTS = {
     "state_argnums": (0,), "batch_argnums": (1, 2), "pipeline": "auto",
     "num_micro_batches": 2, "num_stages": 2, "num_layers": 2, "schedule": "gpipe",
     "measure": True, "while_trips": 2.0, "hints": {"1": P("data")}, "remat": False,
+    "model_constraints": "ignore",
 }
 
 # The arguments of shardplan.auto that do not change the plan, and why.

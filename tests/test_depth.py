@@ -1,4 +1,4 @@
-"""shardplan.depth: candidates of a deep step priced from two shallow copies agree with the
+"""shardplan.planning.depth: candidates of a deep step priced from two shallow copies agree with the
 full compile; what it does not apply to is compiled in full."""
 
 import warnings

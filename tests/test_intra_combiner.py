@@ -2,12 +2,14 @@
 of the gradients' reductions (intra/problem.py Problem.edge_time)."""
 
 import collections
-import importlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
+import shardplan
 from shardplan.analysis import hlo
 from shardplan.cost.hardware import get_profile
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
@@ -18,11 +20,12 @@ from shardplan.ir.trace import trace
 from shardplan.models import get_model
 from shardplan.options import DEFAULTS
 from shardplan.planning import compiled as compiled_mod
+from shardplan.planning.intra_op import plan_graph, plan_step
+from shardplan.planning.job import Job
 from shardplan.strategies.base import Collective
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from tests.conftest import auto_mesh
 
-search = importlib.import_module("shardplan.search")
 MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
 
 
@@ -31,10 +34,9 @@ def _plan_and_compile(name, mesh_name):
     m = get_model(name, "tiny", abstract=True)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     options = DEFAULTS.replace(state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
-    plan, graph, intra = search.plan_step(
+    plan, graph, intra = plan_step(
         traced, MeshShape.of(mesh), get_profile("cpu"), options, device_mesh=mesh,
-        device_order=[d.id for d in mesh.devices.flat], donate_argnums=m.state_argnums,
-        combine_gradients=True)  # the default; named: it is this test's subject
+        donate_argnums=m.state_argnums, combine_gradients=True)  # the default; named: it is this test's subject
     lowered = compiled_mod.lower_plan(graph, traced, plan, mesh, m.state_argnums)
     return intra, hlo.analyze(compiled_mod.compile_for_analysis(lowered))
 
@@ -185,11 +187,10 @@ def test_ilp_prices_data_parallel_as_compiled_and_beats_it(devices):
     hw = get_profile("cpu")
     options = DEFAULTS.replace(state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
     shape = MeshShape.of(mesh)
-    searched, graph, _ = search.plan_step(traced, shape, hw, options,
+    searched, graph, _ = plan_step(traced, shape, hw, options,
                                           donate_argnums=m.state_argnums)
-    dp, intra = search.plan_graph(graph, traced, shape, hw, options,
-                                  fixed_inputs=experts.expert_inputs(graph, shape)["data_parallel"],
-                                  donated=search.donated_inputs(traced, m.state_argnums))
+    job = Job.make(traced, shape, hw, options, donate_argnums=m.state_argnums)
+    dp, intra = plan_graph(job, fixed_inputs=experts.expert_inputs(graph, shape)["data_parallel"])
     priced = {name: compiled_mod.measure(graph, traced, plan, mesh, hw, name, m.state_argnums).priced
               for name, plan in (("searched", searched), ("dp", dp))}
     assert sum(op.count for op in _collectives(graph, traced, dp, mesh, m)
@@ -258,3 +259,69 @@ def test_the_loss_reduction_runs_alone_where_the_forward_reduces_over_its_device
     other = [(1.0, Collective("all-reduce", ("y",), 64))]
     alone, got = combined({**grads, g.outputs[-1]: red, h: other})
     assert not alone
+
+
+OPTIMIZERS_THAT_REDUCE = {
+    # factored second moments of the kernels, the update's RMS clipped, the parameter scale
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=32),
+    # the gradients' global norm: a sum of squares of every gradient
+    "global_norm": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+}
+
+
+def _adafactor_mlp(batch=1024, width=256, layers=4, optimizer="adafactor"):
+    """A flax MLP with biases updated by an optimizer that reduces every gradient
+    (OPTIMIZERS_THAT_REDUCE)."""
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(layers):
+                x = nn.Dense(width)(x)
+                x = nn.relu(x) if i < layers - 1 else x
+            return x
+
+    model, tx = MLP(), OPTIMIZERS_THAT_REDUCE[optimizer]()
+    x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((batch, width))))
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, jax.eval_shape(tx.init, params), x, x)
+
+
+def test_adafactor_reductions_of_the_gradients_are_not_the_gradients():
+    """Adafactor's means of squared gradients and its update RMS reduce a gradient: they run
+    after its reduction, so they are priced with their own latency (combiner.reduced_again);
+    the kernels' and biases' gradients themselves are the gradients."""
+    step, args = _adafactor_mlp()
+    traced = trace(step, args, (0, 1), (2, 3))
+    g = lift(traced.closed_jaxpr, traced.arg_info)
+    terminal = combiner.terminal_values(g, CONTRACTIONS)
+    again = combiner.reduced_again(g, terminal)
+    grads = combiner.gradient_values(g, CONTRACTIONS)
+    sums = [n for n in g.nodes if n.primitive == "reduce_sum" and set(n.outputs) & again]
+    assert len(sums) >= 2 * 4  # at least a second moment and an update RMS per kernel
+    # the kernels' gradients (dots of the backward pass with a parameter's shape)
+    kernels = {v for n in g.nodes if n.primitive == "dot_general" for v in n.outputs
+               if g.values[v].shape == (256, 256) and v in terminal}
+    assert len(kernels) == 4 and kernels <= grads and not kernels & again
+    assert not grads & again
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS_THAT_REDUCE))
+def test_adafactor_keeps_the_gradients_all_reduce_combined(devices, optimizer):
+    """Data parallel with Adafactor (or a global norm) compiles to one all-reduce, the
+    gradients' combined: the optimizer's reductions of the gradients run on the reduced
+    gradients, not split over the devices (split, each is an all-reduce after its
+    gradient's, and XLA's combiner stops a group at each: one all-reduce per parameter)."""
+    step, args = _adafactor_mlp(optimizer=optimizer)
+    mesh = auto_mesh((8,), ("x",))
+    auto = shardplan.auto(step, mesh=mesh, hardware="cpu")
+    plan = auto.plan(*args)
+    assert tuple(plan.in_specs["[2]"]) == ("x",)  # the batch split
+    stats = hlo.analyze(auto.lower(*args).compile())
+    assert stats.by_kind()["all-reduce"][0] == 1, stats.summary()
+    assert plan.estimate.comm_bytes == pytest.approx(stats.bytes_sent, rel=0.02)

@@ -4,7 +4,6 @@ replicated on (intra/planner.py reduced_first), and all-reduced whole where anot
 reads the sum (intra/estimate.py scattered_whole)."""
 
 import dataclasses
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -14,14 +13,14 @@ import pytest
 from shardplan.analysis import hlo
 from shardplan.cost.hardware import get_profile
 from shardplan.intra import estimate, planner
-from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.options import DEFAULTS
 from shardplan.planning import compiled
+from shardplan.planning.intra_op import plan_graph
+from shardplan.planning.job import Job
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from tests.conftest import auto_mesh
 
-search = importlib.import_module("shardplan.search")
 S = ShardSpec
 
 
@@ -52,11 +51,10 @@ def test_a_gradient_split_over_its_summed_axis_compiles_as_planned_on_an_idle_ax
     traced = trace(_step, args, (0,), (1,))
     options = DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,))
     col, row = S.split(2, 1, "model"), S.split(2, 0, "model")
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    plan, intra = search.plan_graph(graph, traced, shape, hw, options, device_mesh=mesh,
-                                    device_order=[d.id for d in mesh.devices.flat],
-                                    fixed_inputs={0: col, 1: col, 2: row},
-                                    donated=frozenset({0, 1}))
+    job = Job.make(traced, shape, hw, options, device_mesh=mesh, donate_argnums=(0,))
+    assert job.donated == frozenset({0, 1})
+    graph = job.graph
+    plan, intra = plan_graph(job, fixed_inputs={0: col, 1: col, 2: row})
     assert any(c.kind == "reduce-scatter" for _, c in intra.comms)
     lowered = compiled.lower_plan(graph, traced, plan, mesh, (0,))
     stats = hlo.analyze(compiled.compile_for_analysis(lowered))
@@ -99,12 +97,11 @@ def _planned(fn, args, mesh, hw, fixed):
     """fn(state, batch) planned on `mesh` with its inputs pinned: (graph, plan, intra plan,
     the plan's program lowered)."""
     traced = trace(fn, args, (0,), (1,))
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    plan, intra = search.plan_graph(graph, traced, MeshShape.of(mesh), hw,
-                                    DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,)),
-                                    device_mesh=mesh,
-                                    device_order=[d.id for d in mesh.devices.flat],
-                                    fixed_inputs=fixed, donated=frozenset())
+    job = Job.make(traced, MeshShape.of(mesh), hw,
+                   DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,)), device_mesh=mesh,
+                   donate_argnums=())
+    graph = job.graph
+    plan, intra = plan_graph(job, fixed_inputs=fixed)
     return graph, plan, intra, compiled.lower_plan(graph, traced, plan, mesh)
 
 

@@ -1,15 +1,19 @@
 """The primitive table: its flops match XLA's cost analysis of each primitive compiled alone,
 its keys are real primitive names, and it knows every primitive of the zoo's train steps."""
 
+import json
+import os
+import re
+import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
-from jax.extend.core import Primitive
-from jax.extend.core import primitives as public_primitives
+from jax.ad_checkpoint import checkpoint_name
 
+import shardplan
 from shardplan import _compat, models
 from shardplan.analysis import hlo_flops
 from shardplan.ir import primitives
@@ -47,6 +51,8 @@ CASES = [
     ("cumlogsumexp", lambda a: lax.cumlogsumexp(a, axis=1), (X,)),
     ("reduce_sum", lambda a: jnp.sum(a, axis=(0, 2)), (Y,)),
     ("reduce_max", lambda a: jnp.max(a, axis=1), (X,)),
+    ("reduce", lambda a, b: lax.reduce((a, b), (0.0, 1.0),
+                                       lambda p, q: (p[0] + q[0], p[1] * q[1]), (1,)), (X, X)),
     ("argmax", lambda a: jnp.argmax(a, axis=2), (Y,)),
     ("add", lambda a, b: a + b, (X, X)),
     ("mul", lambda a, b: a * b, (X, X)),
@@ -90,6 +96,14 @@ CASES = [
     ("random_bits", lambda k: jax.random.bits(k, (8, 16, 64)), (KEY,), 0.01),
     ("random_bits", lambda k: jax.random.bits(k, (512,)), (KEY,), 0.01),
 ]
+# primitives new in jax 0.12 (tests/test_ir_primitives.py runs on 0.10 and 0.12)
+if hasattr(lax, "one_minus_square"):
+    CASES += [
+        ("one_minus_square", lax.one_minus_square, (X,)),
+        ("log2", lax.log2, (X,)),
+        ("polynomial", lambda a: lax.polynomial(a, [1.0, 2.0, 3.0]), (X,)),
+        ("polynomial", lambda a: lax.polynomial(a, [a, a, a, a, a, 2.0]), (X,)),
+    ]
 
 
 def _equation(name, f, args):
@@ -139,21 +153,115 @@ def test_flops_match_xla(case):
     assert primitives.info(name).transcendental == (cost.get("transcendentals", 0.0) > 0)
 
 
-def _real_names() -> set[str]:
-    """Every primitive of the installed JAX: the public jax.extend.core.primitives lists most;
-    split, reshard, random_wrap, shard_map... live only in the (loaded) modules that define
-    them, so those are scanned for Primitive objects too."""
-    modules = [public_primitives, *(m for n, m in sorted(sys.modules.items())
-                         if m is not None and (n == "jax" or n.startswith("jax.")))]
-    return {v.name for m in modules for v in list(vars(m).values()) if isinstance(v, Primitive)}
+# Imports every module of jax._src, jax.extend and jax.experimental (each that imports
+# without an optional dependency) in a fresh interpreter, and prints every Primitive object
+# found in a jax module with the modules holding it.
+_ENUMERATE = r"""
+import importlib, json, pkgutil, sys, warnings
+warnings.simplefilter("ignore")
+from jax.extend.core import Primitive
+for root in ("jax._src", "jax.extend", "jax.experimental"):
+    for m in pkgutil.walk_packages(importlib.import_module(root).__path__, root + "."):
+        if "jax2tf" in m.name:
+            continue
+        try:
+            importlib.import_module(m.name)
+        except Exception:
+            pass
+found = {}
+for name, module in sorted(sys.modules.items()):
+    if module is not None and (name == "jax" or name.startswith("jax.")):
+        for v in list(vars(module).values()):
+            if isinstance(v, Primitive):
+                found.setdefault(v.name, set()).add(name)
+print(json.dumps({k: sorted(v) for k, v in found.items()}))
+"""
+
+# Kernel languages: their primitives exist only inside a kernel's body (a pallas_call, a
+# Mosaic or Triton kernel, a thunky program), which a step's graph holds as one opaque node.
+_KERNEL_MODULES = re.compile(r"pallas|mosaic|triton|thunky")
 
 
-def test_every_key_is_a_primitive_of_jax():
-    real = _real_names()
+@pytest.fixture(scope="module")
+def jax_primitives() -> dict[str, list[str]]:
+    """Primitive name -> modules holding it, for every primitive of the installed JAX."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", _ENUMERATE], capture_output=True, text=True,
+                         env=env, timeout=600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_primitive_of_jax_has_an_entry(jax_primitives):
+    """Every primitive of the JAX in use (outside kernel languages) has a rule family in the
+    table or is listed as replicated on purpose with a reason: none runs replicated unseen."""
+    assert {"dot_general", "name", "optimization_barrier", "sharding_constraint",
+            "layout_constraint", "pallas_call", "scan"} <= set(jax_primitives)
+    unknown = sorted(p for p, where in jax_primitives.items()
+                     if p not in primitives.PRIMITIVES
+                     and not all(_KERNEL_MODULES.search(m) for m in where))
+    assert not unknown, {p: jax_primitives[p][:2] for p in unknown}
+    for p in ("pallas_call", "tpu_custom_call", "ffi_call", "pure_callback"):
+        info = primitives.info(p)
+        assert p in primitives.REPLICATED_ON_PURPOSE and info.family == "replicated" and info.why
+
+
+def test_every_key_is_a_primitive_of_jax(jax_primitives):
+    real = set(jax_primitives)
     assert {"dot_general", "split", "random_wrap", "scan"} <= real
     unknown = set(primitives.PRIMITIVES) - real
-    known = primitives.OLD_NAMES | primitives.PSEUDO
+    known = primitives.OLD_NAMES | primitives.NEW_NAMES | primitives.PSEUDO
     assert unknown <= known, sorted(unknown - known)
+    # the version lists say which side of jax 0.10 -> 0.12 a name is on
+    assert not (primitives.OLD_NAMES & primitives.NEW_NAMES)
+
+
+def test_sharding_and_layout_primitives_are_identities():
+    """Their own placement is what the plan replaces; each keeps its operand's split."""
+    for p in ("name", "sharding_constraint", "reshard", "layout_constraint", "relayout",
+              "xla_metadata_value", "copy"):
+        assert primitives.info(p).family == "elementwise" and primitives.flops(
+            p, [(4, 8)], [(4, 8)], {}) == 0.0, p
+    for p in ("optimization_barrier", "device_put", "shard_alike"):
+        assert primitives.info(p).family == "identity", p
+
+
+def _transformer_mlp_step(named: bool):
+    """Two MLP blocks as MaxText writes them: each activation tagged with checkpoint_name
+    (the `name` primitive) when `named`, and a plain SGD update."""
+    def block(h, w1, w2):
+        a = h @ w1
+        a = checkpoint_name(a, "mlpwi") if named else a
+        o = jax.nn.gelu(a) @ w2
+        return h + (checkpoint_name(o, "mlpwo") if named else o)
+
+    def loss(params, x):
+        h = x
+        for w1, w2 in params:
+            h = block(h, w1, w2)
+        return jnp.mean(h ** 2)
+
+    def step(params, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    params = [(jax.ShapeDtypeStruct((256, 1024), F32), jax.ShapeDtypeStruct((1024, 256), F32))
+              for _ in range(2)]
+    return step, (params, jax.ShapeDtypeStruct((64, 256), F32))
+
+
+def test_checkpoint_name_plans_as_without():
+    """checkpoint_name is an identity to the planner: a step with it has every operator
+    covered and plans exactly as the same step without it (no replication, no gathers)."""
+    named, args = _transformer_mlp_step(True)
+    plain, _ = _transformer_mlp_step(False)
+    assert "name" in {e.primitive.name for e in jax.make_jaxpr(named)(*args).jaxpr.eqns}
+    assert not shardplan.coverage(named, *args).replicated
+    plans = [shardplan.search(f, *args, cluster="cpu", mesh_shape=(2, 4),
+                              axis_names=("data", "model")) for f in (named, plain)]
+    assert plans[0].input_specs == plans[1].input_specs
+    assert plans[0].output_specs == plans[1].output_specs
+    assert plans[0].estimate.comm_s == pytest.approx(plans[1].estimate.comm_s)
+    assert plans[0].estimate.compute_s == pytest.approx(plans[1].estimate.compute_s)
 
 
 def test_unknown_primitives_get_the_default():

@@ -91,7 +91,7 @@ def _over_budget_at_first(monkeypatch, times, factor):
 def test_a_plan_compiled_over_the_budget_is_planned_again_or_not_said_to_fit(
         times, factor, mesh2x4, monkeypatch):
     """Under a budget on devices the plan is compiled: over the budget, the ILP plans again
-    under a scaled budget (shardplan.fit); when no re-plan compiles within it either (or the
+    under a scaled budget (shardplan.planning.select); when no re-plan compiles within it either (or the
     time limit leaves none: the least memory's proof can take what remains), the plan
     returned says it does not fit (its estimate is the compiled peak) and a warning says so."""
     m = get_model("mlp", "tiny", abstract=True)

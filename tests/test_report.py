@@ -54,12 +54,12 @@ def test_layer_of_op_names():
 
 def test_cost_by_layer_in_layer_order_with_the_rest_and_resharding():
     rows = report.cost_by_layer(_plan())
-    assert [r[0] for r in rows] == ["layer_0", "layer_2", "layer_10", "other", "resharding"]
+    assert [r[0] for r in rows] == ["layer_0", "layer_2", "layer_10", "other", "outside the ops"]
     by = {r[0]: r for r in rows}
     assert by["layer_2"][1] == pytest.approx(3e-3 + 5e-4)
     assert by["other"][1] == pytest.approx(2e-4)
-    # the estimate's communication beyond the ops' own (3 x 0.1 ms) is resharding
-    assert by["resharding"][2] == pytest.approx(0.002 - 3e-4)
+    # the estimate's communication beyond the ops' own (3 x 0.1 ms) is resharding between them
+    assert by["outside the ops"][2] == pytest.approx(0.002 - 3e-4)
 
 
 def test_best_baseline_is_the_fastest_that_fits():
@@ -150,3 +150,107 @@ def test_kept_expert_shows_the_searched_plans_model_not_zeros():
     assert "searched plan (cost model)" not in [r[0] for r in report.memory_rows(_run(plan=kept))]
     bare = dataclasses.replace(kept, candidates=())
     assert next(r[0] for r in _run(plan=bare).rows()) == "plan (XLA)"
+
+
+def _sums(rows):
+    return sum(r[1] for r in rows), sum(r[2] for r in rows)
+
+
+def test_cost_by_layer_adds_up_to_the_cost_models_step():
+    """The per-layer plot divides the estimate among the layers: where the ops' own costs sum
+    to more than the estimate (it combines all-reduces across layers), the shares scale down;
+    where to less, the rest is a group outside the ops. Either way the bars add up to the step."""
+    import dataclasses
+
+    over = dataclasses.replace(_plan(), estimate=Estimate(0.010, 1e-4, 300 * MiB, 100 * MiB))
+    rows = report.cost_by_layer(over)
+    assert [r[0] for r in rows] == ["layer_0", "layer_2", "layer_10", "other"]
+    assert _sums(rows) == pytest.approx((0.010, 1e-4))
+    by = {r[0]: r for r in rows}
+    assert by["layer_10"][1] / by["layer_0"][1] == pytest.approx(11.0)  # shares kept
+    assert _sums(report.cost_by_layer(_plan())) == pytest.approx((0.0167, 0.002))
+    # measure=True: the estimate is the compiled program's; the plot is the cost model's
+    compiled = report.compiled_plan(_plan(), _priced(0.005, 350 * MiB))
+    assert _sums(report.cost_by_layer(compiled)) == pytest.approx((0.0167, 0.002))
+    # without layer names: by primitive, the costliest 11 and the rest, still the whole step
+    ops = tuple(OpRow(f"p{i}", "", "replicated", 1e-4 * (i + 1), 0.0) for i in range(20))
+    flat = dataclasses.replace(_plan(), ops=ops)
+    rows = report.cost_by_layer(flat)
+    assert [r[0] for r in rows[-2:]] == ["other primitives", "outside the ops"] and len(rows) == 13
+    assert _sums(rows) == pytest.approx((0.0167, 0.002))
+
+
+def _search(tmp_path, config_text: str, *sets: str):
+    from shardplan import cli
+
+    config = tmp_path / "job.yaml"
+    config.write_text(config_text)
+    out = tmp_path / "out"
+    code = cli.main(["search", str(config), "--out", str(out), "-q",
+                     "--set", "output.compare=false", "--set", "search.measure=false",
+                     *(x for s in sets for x in ("--set", s))])
+    assert code == 0
+    return out
+
+
+def _snippet(report_md: str) -> str:
+    section = report_md.split("## Use this plan", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_use_this_plan_snippet_runs_for_a_zoo_model(tmp_path, monkeypatch, devices):
+    """The snippet in report.md, run as written next to plan.json, builds the config's model
+    with arrays and runs its step (three arguments and three results) with the plan."""
+    out = _search(tmp_path, "model: {name: mlp, size: tiny}\n"
+                            "cluster: {hardware: cpu, mesh: {shape: [2, 4], axes: [data, model]}}\n")
+    code = _snippet((out / "report.md").read_text())
+    assert "params, opt_state, loss = step(params, opt_state, batch)" in code, code
+    assert "donate_argnums=(0, 1)" in code and "get_model('mlp', 'tiny'" in code
+    monkeypatch.chdir(out)
+    ns: dict = {}
+    exec(compile(code, "report.md", "exec"), ns)  # noqa: S102 - the snippet, run as written
+    assert ns["loss"].shape == () and bool(ns["loss"] > 0)
+    step_plan = ns["step"].plan(ns["params"], ns["opt_state"], ns["batch"])
+    assert step_plan.in_specs == ns["plan"].in_specs
+
+
+def test_the_use_this_plan_snippet_runs_for_an_entry_step(tmp_path, monkeypatch, devices):
+    """A step of the user's own (model.entry) with other argument names, a fourth argument and
+    two results: the snippet calls it with its own names; the user binds them."""
+    (tmp_path / "twoargs.py").write_text('''\
+import jax, jax.numpy as jnp
+from shardplan.models import TrainStep
+
+
+def make():
+    def update(weights, momentum, inputs, scale):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((inputs @ w) ** 2))(weights)
+        momentum = 0.9 * momentum + g
+        return weights - scale * momentum, momentum, loss
+
+    w = jnp.ones((64, 32)) / 64
+    args = (w, jnp.zeros_like(w), jnp.ones((16, 64)), jnp.float32(0.1))
+    return TrainStep("mine", update, args, state_argnums=(0, 1), batch_argnums=(2,),
+                     num_params=64 * 32, description="")
+''')
+    out = _search(tmp_path, 'model: {entry: "twoargs:make"}\n'
+                            "cluster: {hardware: cpu, mesh: {shape: [8], axes: [devices]}}\n")
+    code = _snippet((out / "report.md").read_text())
+    call = "weights, momentum, loss = step(weights, momentum, inputs, scale)"
+    assert call in code and "donate_argnums=(0, 1)" in code, code
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import twoargs
+
+    ts = twoargs.make()
+    monkeypatch.chdir(out)
+    ns = dict(zip(("weights", "momentum", "inputs", "scale"), ts.args), train_step=ts.fn)
+    exec(compile(code, "report.md", "exec"), ns)  # noqa: S102 - the snippet, run as written
+    want = ts.fn(*twoargs.make().args)
+    assert float(ns["loss"]) == pytest.approx(float(want[2]), rel=1e-5)
+
+
+def test_without_the_call_the_snippet_passes_the_arguments_through():
+    md = report.report_markdown(_run())
+    code = _snippet(md)
+    assert "outputs = step(*args)" in code and "donate_argnums" not in code
+    compile(code, "report.md", "exec")

@@ -1,4 +1,4 @@
-"""The SPMD pipeline judged as compiled (shardplan.inter.spmd_cost, shardplan.measure): its
+"""The SPMD pipeline judged as compiled (shardplan.inter.spmd_cost, shardplan.planning.select): its
 estimate, built from the stage program (the micro-batch step's layers on one stage's devices)
 with the schedule's ticks, permutes and all-reduces over the stages, against the one compiled
 SPMD program priced by the same profile (flops with the loop's trip counts); and

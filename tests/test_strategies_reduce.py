@@ -29,6 +29,8 @@ CASES = [
     ("cummax", lambda x: lax.cummax(x, axis=1), (X,), "cummax"),
     ("cummin", lambda x: lax.cummin(x, axis=1), (X,), "cummin"),
     ("cumlogsumexp", lambda x: lax.cumlogsumexp(x, axis=2), (X,), "cumlogsumexp"),
+    ("reduce_combined", lambda x, y: lax.reduce(
+        (x, y), (0.0, 1.0), lambda a, b: (a[0] + b[0], a[1] * b[1]), (1,)), (X, X), "reduce"),
 ]
 
 

@@ -10,7 +10,7 @@ from jax import lax
 
 from shardplan.ir import primitives
 from shardplan.ir.lift import LiftOptions, lift
-from shardplan.strategies import registry
+from shardplan.strategies import coverage, registry
 from shardplan.strategies.spec import MeshShape
 from tests import strategies_harness as H
 
@@ -62,6 +62,17 @@ def test_unknown_primitive_runs_replicated_and_is_reported(double, mesh_name, re
     assert registry.unknown_primitives(graph) == {"shardplan_test_double"}
     (s,) = H.check_all(node, graph, request.getfixturevalue(mesh_name))
     assert s.name == "replicated" and s.flops == node.flops
+
+
+def test_coverage_tells_replicated_on_purpose_from_unknown(double):
+    """A callback runs replicated by design (the table says why); a primitive the table does
+    not know is what coverage calls unintended."""
+    graph = lift(jax.make_jaxpr(lambda a: double.bind(_callback(a)))(A))
+    cov = coverage.coverage(graph)
+    assert {p for p, _, _ in cov.replicated} == {"pure_callback", "shardplan_test_double"}
+    assert cov.unintended == ("shardplan_test_double",)
+    assert primitives.info("pure_callback").why
+    assert str(cov).endswith("not in the primitive table: shardplan_test_double")
 
 
 def _control_flow(x):

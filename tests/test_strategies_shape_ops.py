@@ -43,6 +43,10 @@ CASES = [
     ("sort", lambda a: lax.sort(a, dimension=1), (A,), "sort"),
     ("sort_two_operands", lambda a, b: lax.sort((a, b), dimension=0, num_keys=1), (A, A),
      "sort"),
+    ("stack", lambda a, b: jnp.stack([a, b], axis=1), (A, A), "stack"),
+    ("stack_last", lambda a, b: jnp.stack([a, b], axis=-1), (A, A), "stack"),
+    ("unstack", lambda x: lax.unstack(x, axis=2), (jnp.ones((8, 16, 2)),), "unstack"),
+    ("tile", lambda a: jnp.tile(a, (1, 2)), (A,), "tile"),
 ]
 
 
@@ -116,3 +120,10 @@ def test_partial_sums_pass_through_linear_movements_only():
     assert not partials(lambda a: lax.pad(a, 1.0, [(1, 1, 0), (0, 0, 0)]), A, prim="pad")
     assert not partials(lambda a: lax.sort(a, dimension=1), A, prim="sort")
     assert not jax.tree.leaves(partials(lambda: jnp.full((8, 16), 3.0), prim="broadcast_in_dim"))
+
+
+def test_an_uninitialised_array_is_built_in_any_split():
+    """lax.empty has no values to compare: each device allocates its piece, no collective."""
+    graph, node = H.single_node(lambda: lax.empty((8, 16), jnp.float32), primitive="empty")
+    found = registry.strategies_for(node, graph, MESH)
+    assert len(found) > 1 and not any(s.comms for s in found)

@@ -1,5 +1,7 @@
 """Emit a plan as one jax.jit: in/out shardings, and with_sharding_constraint on the
-planned intermediates, by interpreting the graph's equations again."""
+planned intermediates, by interpreting the graph's equations again. The model's own sharding
+constraints pass their value on: the plan's layout of it is emitted in their place (on the
+plan's mesh, whatever mesh the model named: tests/test_model_constraints.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from shardplan import _compat
+from shardplan.ir import constraints as constraints_mod
 from shardplan.ir import interpret
 from shardplan.ir.graph import Graph
 from shardplan.strategies.spec import ShardSpec
@@ -56,14 +59,17 @@ def graph_fn(graph: Graph, mesh, constraints: Mapping[int, ShardSpec],
     constrained bodies), constraining the values in `constraints` to their specs, and
     resharding operands through `operand_specs` (the layouts the plan moves a value through
     before a node reads it), so that XLA runs the collectives the plan priced rather than
-    choosing its own."""
+    choosing its own. The model's sharding constraints are not bound (identity): a layout the
+    plan did not choose would be a collective it did not price, and their mesh may not be the
+    plan's."""
     shardings = {v: NamedSharding(mesh, s.to_partition_spec()) for v, s in constraints.items()}
     operand_shardings = {k: [NamedSharding(mesh, s.to_partition_spec()) for s in route]
                          for k, route in (operand_specs or {}).items()}
     top = frozenset(n.id for n in graph.nodes if n.loop is None)
 
     def run(*flat_args):
-        return interpret.run(graph, flat_args, _Constraints(shardings, operand_shardings, top))
+        return interpret.run(graph, flat_args, _Constraints(shardings, operand_shardings, top),
+                             identity=constraints_mod.is_constraint)
 
     return run
 

@@ -65,7 +65,7 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
     their operands in (stage_body.stage_layers)."""
     p = eqn.params
     S, M, L = num_stages, num_micro_batches, int(p["length"])
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = _compat.scan_counts(p)
     consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + nk]), list(ins[nc + nk:])
     B = carry[0].shape[0]
     layers = stage_body.stage_layers(micro_eqn, L // S, carry_specs, operand_specs,

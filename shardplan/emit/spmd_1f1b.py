@@ -75,7 +75,7 @@ class Cut:
         self.consts = dict(zip(jaxpr.constvars, lt.micro.consts))
         self.pre, self.scan, self.post = jaxpr.eqns[:k], jaxpr.eqns[k], jaxpr.eqns[k + 1:]
         p = self.scan.params
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = _compat.scan_counts(p)
         self.scan_consts = self.scan.invars[:nc]
         self.scan_carry = self.scan.invars[nc:nc + nk]
         self.scan_xs = self.scan.invars[nc + nk:]

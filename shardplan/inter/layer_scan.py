@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardplan import _compat
 from shardplan._compat import ClosedJaxpr
 from shardplan.grad import intercepting
 
@@ -105,7 +106,7 @@ def find_layer_scan(closed: ClosedJaxpr) -> LayerScan | None:
         if eqn.primitive.name != "scan":
             continue
         p = eqn.params
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = _compat.scan_counts(p)
         avals = [v.aval for v in eqn.invars]
         xs = avals[nc + nk:]
         size = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in xs)

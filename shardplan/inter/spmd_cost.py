@@ -42,6 +42,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from shardplan import _compat
 from shardplan._compat import Literal
 from shardplan.cost import ring
 from shardplan.cost.estimate import Estimate
@@ -192,7 +193,7 @@ def _parts(p: Priced, lt: LossTrace, batch: int) -> _Parts:
     if not (fwd and bwd):
         return _Parts(fwd, bwd, zero, zero, zero, 0.0, 0.0, ())
     first = graph.loops[min(fwd)]
-    nc = int(first.eqn.params["num_consts"])
+    nc = _compat.scan_counts(first.eqn.params)[0]
     carries, carry_bytes, resid = [], 0.0, 0.0
     for v in first.operands[nc:nc + first.num_carry]:
         value = graph.values[v]

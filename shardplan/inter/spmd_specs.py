@@ -6,6 +6,7 @@ layer_backward) and to the head after the scan, for the emitter to hold them
 
 from __future__ import annotations
 
+from shardplan import _compat
 from shardplan._compat import Literal
 from shardplan.inter import layer_backward, stage_body
 from shardplan.inter.layer_scan import LossTrace
@@ -105,7 +106,7 @@ def body_backward_specs(stage: Priced, lt: LossTrace,
         if node.primitive == "loop_stack" and spec is not None and not spec.partial:
             grads.setdefault(graph.values[node.inputs[0]].shape, set()).add(spec.dims)
     first = len(micro_eqn.params["jaxpr"].in_avals) - (
-        len(micro_eqn.invars) - micro_eqn.params["num_consts"] - micro_eqn.params["num_carry"])
+        len(micro_eqn.invars) - sum(_compat.scan_counts(micro_eqn.params)))
     avals = micro_eqn.params["jaxpr"].in_avals[first:]
     if not any(grads.get(tuple(avals[k].shape), {spec.dims}) - {spec.dims}
                for k, spec in reads.items()):

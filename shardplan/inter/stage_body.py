@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from shardplan import _compat
 from shardplan._compat import ClosedJaxpr
 from shardplan.inter import layer_backward
 from shardplan.ir import interpret
@@ -126,8 +127,7 @@ def parameter_read_specs(micro_eqn, operand_specs: Mapping | None) -> dict[int, 
     """{k: spec}: the layout the layer first reads its stacked parameter k (the scan's xs, in
     order) in, from `operand_specs` ((leaf equation, operand) -> spec)."""
     body = micro_eqn.params["jaxpr"].jaxpr
-    first = len(body.invars) - (len(micro_eqn.invars) - micro_eqn.params["num_consts"]
-                                - micro_eqn.params["num_carry"])
+    first = len(body.invars) - (len(micro_eqn.invars) - sum(_compat.scan_counts(micro_eqn.params)))
     specs: dict[int, Any] = {}
     for i, j, k in interpret.leaf_readers(body):
         spec = (operand_specs or {}).get((i, j))
@@ -167,7 +167,7 @@ def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None
     jaxpr held in them (shardplan.inter.layer_backward; spmd_specs.body_backward_specs)."""
     given, back = dict(operand_specs or {}), dict(backward_specs or {})
     operand = constrained(given, forward_only=bool(back))
-    body, nk = micro_eqn.params["jaxpr"], micro_eqn.params["num_carry"]
+    body, (nc, nk) = micro_eqn.params["jaxpr"], _compat.scan_counts(micro_eqn.params)
 
     def hold(c):
         return held(c, carry_specs)
@@ -180,8 +180,7 @@ def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None
                 else interpret.eval_jaxpr(body, ins))
 
     if back:  # the parameters (the scan's xs) kept for the backward as held before the loop
-        first = len(body.in_avals) - len(micro_eqn.invars) + micro_eqn.params["num_consts"] \
-            + nk
+        first = len(body.in_avals) - len(micro_eqn.invars) + nc + nk
         kept = {**parameter_read_specs(micro_eqn, given), **backward_stacked(back)}
         apply = layer_backward.with_backward(
             apply, {k: v for k, v in back.items() if k[0] >= 0},

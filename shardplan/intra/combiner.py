@@ -189,7 +189,40 @@ def gradient_values(g: Graph, heads: frozenset[str]) -> frozenset[int]:
     terminal = terminal_values(g, heads)
     tied = {v for v, tie in zip(g.outputs, g.output_ties) if tie is not None}
     reaches = upstream(g, tied)
-    return frozenset(terminal & reaches)
+    return frozenset((terminal & reaches) - reduced_again(g, terminal))
+
+
+REDUCING = frozenset({"reduce_sum", "reduce", "dot", "conv", "scatter_add"})
+"""Families whose strategies sum over a split dimension (a partial output or an all-reduce of
+their own): the nodes where a gradient's reduction can happen."""
+
+REDUCTIONS = frozenset({"reduce_sum", "reduce"})
+"""Families of the reductions an optimizer runs over a gradient (norms, means of squares)."""
+
+
+def reduced_again(g: Graph, terminal: frozenset[int]) -> frozenset[int]:
+    """The terminal values an optimizer computes by reducing a gradient, and what it computes
+    from them: a reduction (REDUCTIONS) of a value shaped as a state input (a parameter) and
+    made, directly or through what is computed from it, by a reduction (REDUCING) of the
+    step's tail: Adafactor's factored second moments and update RMS, a global norm. Split,
+    each runs its own collective after the gradient's reduction it reads, and XLA's combiner
+    stops a group at an all-reduce that depends on a member: one such reduction per parameter
+    breaks the gradients' combined all-reduce into one per parameter
+    (tests/test_intra_combiner.py::test_adafactor_keeps_the_gradients_all_reduce_combined,
+    tests/test_alpa_shard_parallel.py::test_moe_lm_all_to_alls_and_few_all_reduces). They
+    are priced with their own latency, not as members of the gradients' combined collective.
+    A parameter's own norm (Adafactor's parameter scale) reads no gradient: not these."""
+    state = {g.values[g.inputs[t]].shape for t in g.output_ties if t is not None}
+    reduced: set[int] = set()
+    second: set[int] = set()
+    for node in g.nodes:  # program order: a value's makers come before its readers
+        family = primitives.info(node.primitive).family
+        if family in REDUCING or any(v in reduced for v in node.inputs):
+            reduced.update(v for v in node.outputs if v in terminal)
+        if any(v in second for v in node.inputs) or (family in REDUCTIONS and any(
+                v in reduced and g.values[v].shape in state for v in node.inputs)):
+            second.update(node.outputs)
+    return frozenset(second & terminal)
 
 
 PASSING = frozenset({"elementwise", "broadcast", "reshape", "squeeze", "transpose",

@@ -1,14 +1,18 @@
 """Hints -> pinned inputs: which flat inputs the user's patterns and logical axis names fix,
-and to which ShardSpec (IntraOptions.fixed_inputs). Pure functions of the inputs' paths and
-shapes and the mesh; the flax-specific reading of names is shardplan.hints'."""
+and to which ShardSpec (IntraOptions.fixed_inputs); and the model's own sharding constraints
+-> pinned values (model_pins). Pure functions of the inputs' paths and shapes, the graph and
+the mesh; the flax-specific reading of names is shardplan.hints'."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
 from shardplan import options
+from shardplan.ir import constraints as constraints_mod
+from shardplan.ir.graph import Graph
 from shardplan.options import Hints
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
@@ -139,3 +143,104 @@ def fixed_inputs(hints: Hints, paths: Sequence[str], shapes: Sequence[Sequence[i
         raise ValueError(f"hints match no input: {', '.join(map(repr, missed))}; the inputs' "
                          f"paths look like {shown}")
     return fixed
+
+
+Pin = tuple[tuple[str, ...] | None, ...]
+"""A value's pinned layout: per dimension its mesh axes (() whole), or None (left free)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPins:
+    """What the planner does with the model's own sharding constraints: `pins`, {node id of
+    a constraint: the layout its value is held to on the plan's mesh}; `notes`, what was done
+    with each (the plan's notes)."""
+
+    pins: Mapping[int, Pin] = dataclasses.field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def allows(self, node_id: int, spec: ShardSpec) -> bool:
+        """Whether `spec` is a layout the pin of node `node_id` allows (any, unpinned)."""
+        pin = self.pins.get(node_id)
+        return pin is None or (not spec.partial and all(
+            p is None or p == d for p, d in zip(pin, spec.dims)))
+
+
+def replaced(c: constraints_mod.Constraint, shape: Sequence[int], mesh: MeshShape) -> Pin:
+    """The layout constraint `c` asks of a value of `shape`, on the plan's `mesh`.
+
+    On the mesh it was written for (the same axis names and sizes) it is taken as it is. On
+    another mesh (a model built for one device, or for other axes) it is re-placed: each
+    dimension keeps the axes the plan's mesh has by the same name, and a dimension left with
+    none is free (whole on the model's mesh says nothing of the plan's axes). Axes of size 1,
+    an axis used by an earlier dimension, and minor axes that do not divide the dimension are
+    dropped (as MaxText's adjust_pspec_for_indivisible_shapes)."""
+    same = (c.mesh_names, c.mesh_sizes) == (mesh.names, mesh.sizes)
+    used: set[str] = set()
+    out: list[tuple[str, ...] | None] = []
+    for dim, axes in zip(shape, c.dims):
+        if axes is None:
+            out.append(None)
+            continue
+        kept: list[str] = []
+        for a in axes:
+            if a in mesh.names and mesh.size(a) > 1 and a not in used \
+                    and dim % (mesh.size((*kept, a))) == 0:
+                kept.append(a)
+        used.update(kept)
+        out.append(tuple(kept) if kept or same else None)
+    return tuple(out)
+
+
+def _pin_text(pin: Pin) -> str:
+    return "[" + ",".join("*" if d is None else "+".join(d) or "-" for d in pin) + "]"
+
+
+def _scope(name: str) -> str:
+    """A node's scope without the wrappers JAX's transformations put around it (`jvp(...)`,
+    `transpose(...)`): '' where nothing else is left."""
+    bare = name
+    for wrapper in ("transpose(", "jvp(", "checkpoint(", "remat(", ")"):
+        bare = bare.replace(wrapper, "")
+    return name if bare.strip("/") else ""
+
+
+def model_pins(graph: Graph, mesh: MeshShape, mode: str = "hint") -> ModelPins:
+    """The model's sharding constraints in `graph` on the plan's `mesh`: each read as a hint
+    (mode "hint": its value is held to the layout it asks for, re-placed on the plan's mesh
+    where it was written for another; `replaced`) or ignored (mode "ignore": the planner lays
+    the value out). None is bound as written (shardplan.emit.jit binds them as identity and
+    constrains the value to the plan's layout)."""
+    found = constraints_mod.of_graph(graph)
+    if not found:
+        return ModelPins()
+    pins: dict[int, Pin] = {}
+    groups: dict[tuple, list[int]] = {}
+    for nid, c in sorted(found.items()):
+        value = graph.values[graph.nodes[nid].outputs[0]]
+        of = f"{value.dtype}{list(value.shape)}"
+        if c is None:
+            groups.setdefault(("names no mesh axes (not a NamedSharding): left to the planner",
+                               repr(graph.nodes[nid].params.get("sharding")), of, ""),
+                              []).append(nid)
+            continue
+        same = (c.mesh_names, c.mesh_sizes) == (mesh.names, mesh.sizes)
+        where = "" if same else f" on {c.mesh_text()}"
+        if mode == "ignore":
+            what = "ignored (option model_constraints='ignore'): laid out by the planner"
+        else:
+            pin = replaced(c, value.shape, mesh)
+            if pin and all(d is None for d in pin):
+                what = ("re-placed on the plan's mesh: it names no axis of it, so the planner "
+                        "lays the value out")
+            else:
+                pins[nid] = pin
+                what = (f"read as a hint, {_pin_text(pin)}" if same else
+                        f"re-placed on the plan's mesh as {_pin_text(pin)}, read as a hint")
+        groups.setdefault((what, c.text, of, where), []).append(nid)
+    notes = [(f"model sharding constraints: {len(found)} in the step, none bound as written "
+              "(the plan's layouts are emitted in their place; * a dimension left free)")]
+    for (what, text, of, where), nids in sorted(groups.items(), key=lambda g: g[1][0]):
+        scope = _scope(graph.nodes[nids[0]].name)
+        at = f", first in {scope}" if scope else ""
+        notes.append(f"  {len(nids)} x {text} of {of}{where}{at}: {what}")
+    return ModelPins(pins, tuple(notes))

@@ -27,5 +27,6 @@ def intra_options(options: SearchOptions, memory_budget: float | None = None,
                         seed=options.solver_seed, workers=options.workers,
                         fixed_inputs=dict(fixed_inputs or {}), deadline=deadline,
                         donated=donated, memory_margin=MARGIN, compiler=compiler,
+                        model_constraints=options.model_constraints,
                         combine_gradients=(IntraOptions.combine_gradients
                                            if combine_gradients is None else combine_gradients))

@@ -187,6 +187,7 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
                      "XLA's buffers (its inputs and outputs exactly)")
     if covered.replicated:
         notes.append(str(covered))
+    notes.extend(problem.model_pins.notes)
     whiles = sorted({loop.trips for loop in graph.loops if loop.kind == "while"})
     if whiles:
         notes.append("while loops have no trip count JAX knows: priced as running "

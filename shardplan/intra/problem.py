@@ -10,6 +10,7 @@ import numpy as np
 
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
 from shardplan.intra import combiner, hubs, ilp, loss_hubs
+from shardplan.intra import hints as hints_mod
 from shardplan.intra.reshard_prices import ReshardPrices
 from shardplan.intra.settings import IntraOptions
 from shardplan.intra.simplify import (
@@ -32,6 +33,24 @@ def _source_strategies(value: Value, role: Role, mesh: MeshShape, max_split_dims
     else:
         specs = enumerate_specs(value.shape, mesh, max_split_dims=max_split_dims)
     return [Strategy(f"input{s}", (), (s,), 0.0) for s in specs]
+
+
+def _held(strategies: list[list[Strategy]], pins: hints_mod.ModelPins) -> list[list[Strategy]]:
+    """Node strategies with each model constraint read as a hint held to its layout: the
+    strategies its pin allows, or the one that holds the value in it (its free dimensions
+    whole) where none does. Nodes of repeated layers keep sharing one list."""
+    memo: dict[tuple, list[Strategy]] = {}
+    out = list(strategies)
+    for nid, pin in pins.pins.items():
+        key = (id(strategies[nid]), pin)
+        if key not in memo:
+            kept = [s for s in strategies[nid] if pins.allows(nid, s.out_specs[0])]
+            if not kept:
+                spec = ShardSpec(tuple(() if d is None else d for d in pin))
+                kept = [Strategy(f"model constraint {spec}", (spec,), (spec,), 0.0)]
+            memo[key] = kept
+        out[nid] = memo[key]
+    return out
 
 
 def is_tensor(value: Value) -> bool:
@@ -59,7 +78,8 @@ class Problem(ReshardPrices):
                 sources[key] = _source_strategies(graph.values[v], r, mesh,
                                                   options.max_split_dims)
             self.strategies.append(sources[key])
-        self.strategies += registry.strategies_of_graph(graph, mesh)
+        self.model_pins = hints_mod.model_pins(graph, mesh, options.model_constraints)
+        self.strategies += _held(registry.strategies_of_graph(graph, mesh), self.model_pins)
         self.producer: dict[int, tuple[int, int]] = {v: (i, 0) for i, v in enumerate(graph.inputs)}
         for node in graph.nodes:
             for k, v in enumerate(node.outputs):

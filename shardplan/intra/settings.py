@@ -57,6 +57,9 @@ class IntraOptions:
     tie_layers: bool = True
     # Cheap ops run in the layout of their largest operand (Alpa's follower merging).
     merge_followers: bool = True
+    # The model's own sharding constraints: "hint" (held, priced) or "ignore"
+    # (SearchOptions.model_constraints; intra/hints.py model_pins).
+    model_constraints: str = DEFAULTS.model_constraints
     # Flat input index -> the spec it must have (user-pinned shardings, or a baseline to price).
     fixed_inputs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
     # Also solve with each expert plan's input specs pinned and keep the cheapest.

@@ -88,6 +88,14 @@ def reduction(ins, outs, params) -> float:
     return float(max(size(ins[0]) - size(outs[0]), 0)) if ins else 0.0
 
 
+def combined_reduction(ins, outs, params) -> float:
+    """lax.reduce with its own combiner (a jaxpr): the combiner's equations once per element
+    reduced away."""
+    body = params.get("jaxpr")
+    n = len(getattr(getattr(body, "jaxpr", body), "eqns", ())) or 1
+    return n * reduction(ins, outs, params)
+
+
 def arg_reduction(ins, outs, params) -> float:
     """argmax/argmin combine (value, index) pairs: 9 flops per combine for floats (7 for
     integers; the formula sees no dtypes)."""
@@ -128,6 +136,15 @@ def integer_pow(ins, outs, params) -> float:
     a = abs(y)
     muls = a.bit_length() - 1 + a.bit_count() - 1 if a else 0
     return float((muls + (y < 0)) * size(outs[0]))
+
+
+def polynomial(ins, outs, params) -> float:
+    """Horner's rule over the coefficients (the operands after x): unrolled (up to `unroll`
+    of them, 8 by default) a multiply and an add for each past the first, per element; past
+    that a scan over all of them from zero."""
+    n = len(ins) - 1
+    unroll = params.get("unroll") or 8
+    return 2.0 * (n - 1 if n <= unroll else n) * size(outs[0])
 
 
 def _mode(params) -> str:

@@ -47,8 +47,9 @@ def evaluate(graph: Graph, node_ids: Sequence[int], env: dict, hooks: Hooks = NO
              level: int | None = None, identity: Callable[[Node], bool] | None = None) -> dict:
     """Run the nodes `node_ids` (program order) of loop level `level` (None: the top), reading
     and writing `env` (value id -> array or tracer). A node of a nested loop runs that loop
-    whole, once, where its first node appears. Nodes `identity` picks pass their inputs on
-    (the pipeline splitter's stage marks)."""
+    whole, once, where its first node appears. Nodes `identity` picks pass their inputs on,
+    in loop bodies too (the pipeline splitter's stage marks; the model's own sharding
+    constraints, which the emitter replaces by the plan's)."""
     done: set[int] = set()
     for nid in node_ids:
         node = graph.nodes[nid]
@@ -58,7 +59,7 @@ def evaluate(graph: Graph, node_ids: Sequence[int], env: dict, hooks: Hooks = NO
                 lid = graph.loops[lid].parent
             if lid is not None and lid not in done:
                 done.add(lid)
-                _run_loop(graph, graph.loops[lid], env, hooks)
+                _run_loop(graph, graph.loops[lid], env, hooks, identity)
             continue
         if node.eqn is None:  # a pseudo-node of this level's own loop: structure only
             continue
@@ -69,17 +70,19 @@ def evaluate(graph: Graph, node_ids: Sequence[int], env: dict, hooks: Hooks = NO
     return env
 
 
-def run(graph: Graph, flat_args: Sequence, hooks: Hooks = NO_HOOKS) -> list:
-    """The graph's flat outputs from its flat inputs."""
+def run(graph: Graph, flat_args: Sequence, hooks: Hooks = NO_HOOKS,
+        identity: Callable[[Node], bool] | None = None) -> list:
+    """The graph's flat outputs from its flat inputs (nodes `identity` picks pass their inputs
+    on: evaluate)."""
     env = dict(zip(graph.inputs, flat_args))
     for v in graph.consts:
         env[v] = graph.values[v].const
-    evaluate(graph, range(len(graph.nodes)), env, hooks)
+    evaluate(graph, range(len(graph.nodes)), env, hooks, identity=identity)
     return [read(graph, env, v) for v in graph.outputs]
 
 
 def _body_fn(graph: Graph, loop: Loop, b: int, env: dict, hooks: Hooks, bound: Sequence[int],
-             outs_to: Sequence[int]):
+             outs_to: Sequence[int], identity: Callable[[Node], bool] | None = None):
     """A function of the values bound to `bound` (body invars) returning the body's outvars,
     each passed through hooks.value of the matching `outs_to` value (its layout outside)."""
     body = loop.bodies[b]
@@ -88,7 +91,7 @@ def _body_fn(graph: Graph, loop: Loop, b: int, env: dict, hooks: Hooks, bound: S
         inner = dict(env)  # outer values (loop constants) are read by closure
         for v, x in zip(bound, vals):
             inner[v] = hooks.value(v, x)
-        evaluate(graph, body.nodes, inner, hooks, loop.id)
+        evaluate(graph, body.nodes, inner, hooks, loop.id, identity)
         outs = [read(graph, inner, v) for v in body.outvars]
         return [hooks.value(t, x) if t is not None else x
                 for t, x in zip(outs_to, outs)]
@@ -96,13 +99,14 @@ def _body_fn(graph: Graph, loop: Loop, b: int, env: dict, hooks: Hooks, bound: S
     return fn
 
 
-def _run_loop(graph: Graph, loop: Loop, env: dict, hooks: Hooks) -> None:
+def _run_loop(graph: Graph, loop: Loop, env: dict, hooks: Hooks,
+              identity: Callable[[Node], bool] | None = None) -> None:
     ops = [read(graph, env, v) for v in loop.operands]
     params = loop.eqn.params
     carries = loop.carry_values(graph)
     nc = loop.num_carry
     if loop.kind == "cond":
-        branches = [_body_fn(graph, loop, b, env, hooks, (), loop.results)
+        branches = [_body_fn(graph, loop, b, env, hooks, (), loop.results, identity)
                     for b in range(len(loop.bodies))]
         outs = jax.lax.switch(ops[0], [lambda f=f: f() for f in branches])
     else:
@@ -113,7 +117,7 @@ def _run_loop(graph: Graph, loop: Loop, env: dict, hooks: Hooks) -> None:
             xs = [hooks.operand(n, 0, x) for n, x in zip(loop.enter[nc:], ops[init_at + nc:])]
             slices = [graph.nodes[n].outputs[0] for n in loop.enter[nc:]]
             fn = _body_fn(graph, loop, 0, env, hooks, (*carries, *slices),
-                          (*carries, *[None] * (len(loop.results) - nc)))
+                          (*carries, *[None] * (len(loop.results) - nc)), identity)
 
             def step(carry, x):
                 outs = fn(*carry, *(x or ()))
@@ -124,8 +128,8 @@ def _run_loop(graph: Graph, loop: Loop, env: dict, hooks: Hooks) -> None:
                                      reverse=params["reverse"], unroll=params["unroll"])
             outs = [*final, *ys]
         else:
-            cond = _body_fn(graph, loop, 0, env, hooks, carries, (None,))
-            fn = _body_fn(graph, loop, 1, env, hooks, carries, carries)
+            cond = _body_fn(graph, loop, 0, env, hooks, carries, (None,), identity)
+            fn = _body_fn(graph, loop, 1, env, hooks, carries, carries, identity)
             outs = jax.lax.while_loop(lambda c: cond(*c)[0], lambda c: fn(*c), init)
     for k, (r, x) in enumerate(zip(loop.results, outs)):
         if k < nc:

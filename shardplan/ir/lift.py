@@ -14,12 +14,15 @@ from shardplan.ir.graph import Body, Graph, Loop, Node, Role, Value, dtype_items
 
 # Call-like primitives whose body computes exactly the equation's outputs from its inputs:
 # inlined. Names from several JAX versions (pjit became jit in 0.7; custom_vjp_call_jaxpr became
-# custom_vjp_call in 0.6.1). Every other primitive with a sub-jaxpr (scan, while, cond,
-# shard_map, and reduce / reduce_window / scatter whose body is a per-element combiner) is kept
-# as one node with its sub-graphs attached.
-INLINE = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
-                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-                    "custom_lin", "named_call"})
+# custom_vjp_call in 0.6.1; closed_call is eval_jaxpr after 0.11.0). A composite's decomposition
+# and an xla_metadata_call's body are inlined too: the plan runs their equations (the
+# metadata, a scheduling hint, is not re-emitted). Every other primitive with a sub-jaxpr (scan,
+# while, cond, shard_map, and reduce / reduce_window / scatter whose body is a per-element
+# combiner) is kept as one node with its sub-graphs attached.
+INLINE = frozenset({"jit", "pjit", "call", "closed_call", "eval_jaxpr", "core_call", "remat",
+                    "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call",
+                    "custom_vjp_call_jaxpr", "custom_lin", "named_call", "composite",
+                    "xla_metadata_call"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +197,7 @@ def _lift_loop(b: _Builder, eqn, ins: list[int], prefix: str, trips: float,
         num_carry, inner = 0, trips
     else:
         if prim == "scan":
-            nc, num_carry = params["num_consts"], params["num_carry"]
+            nc, num_carry = _compat.scan_counts(params)
             inner = trips * float(params["length"])
             init, xs = ins[nc:nc + num_carry], ins[nc + num_carry:]
             closed = params["jaxpr"]

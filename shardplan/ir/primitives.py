@@ -38,6 +38,9 @@ class PrimitiveInfo:
     """Operands it is linear in, each alone with the others whole: a partial sum there
     passes to the output. Only where the partitioner keeps it partial (measured): add is
     linear in both together, but XLA reduces each operand before the add."""
+    why: str = ""
+    """Why a primitive of the "replicated" family runs whole on every device on purpose (empty
+    for primitives the table does not know: those are reported as unintended)."""
 
 
 def _table(family: str, names: str, **fields) -> dict[str, PrimitiveInfo]:
@@ -54,7 +57,7 @@ _ARITHMETIC = """
     abs add add_any and ceil clamp clz complex convert_element_type div eq floor ge gt imag
     is_finite le lt max min mul mulhi ne neg not or population_count real reduce_precision rem
     round select_n shift_left shift_right_arithmetic shift_right_logical sign square sub xor
-    bitcast_convert_type
+    bitcast_convert_type eq_to le_to lt_to
 """
 # One transcendental evaluation each, no flops.
 _TRANSCENDENTAL = "exp log log1p expm1 tanh sqrt rsqrt cbrt pow erf sin cos tan atan atan2"
@@ -63,11 +66,11 @@ _EXPANDED_TRANSCENDENTAL = {
     "exp2": 1, "logistic": 3, "acos": 3, "cosh": 3, "asin": 5, "atanh": 6, "acosh": 7,
     "sinh": 10, "asinh": 11, "erf_inv": 37, "lgamma": 52, "erfc": 60, "digamma": 73,
     "bessel_i0e": 83, "bessel_i1e": 83, "zeta": 122, "polygamma": 254, "igamma": 268,
-    "igammac": 268, "igamma_grad_a": 539,
+    "igammac": 268, "igamma_grad_a": 539, "log2": 1,
 }
-_EXPANDED = {"conj": 4, "nextafter": 23}
+_EXPANDED = {"conj": 4, "nextafter": 23, "one_minus_square": 3}
 # Linear in operand k alone: a partial sum there passes through (see PrimitiveInfo.linear).
-_LINEAR = {"neg": (0,), "copy": (0,), "convert_element_type": (0,), "real": (0,),
+_LINEAR = {"neg": (0,), "copy": (0,), "name": (0,), "convert_element_type": (0,), "real": (0,),
            "imag": (0,), "conj": (0,), "mul": (0, 1), "div": (0,)}
 
 _ELEMENTWISE = {
@@ -76,10 +79,14 @@ _ELEMENTWISE = {
     **_each("elementwise", {n: F.per_element(k) for n, k in _EXPANDED_TRANSCENDENTAL.items()},
             transcendental=True, fusible=True),
     **_each("elementwise", {n: F.per_element(k) for n, k in _EXPANDED.items()}, fusible=True),
-    # Not lowered to a flop: copies, and identities whose own sharding the plan replaces.
-    **_table("elementwise", "copy stop_gradient sharding_constraint reshard", flops=F.zero,
-             fusible=True),
+    # Not lowered to a flop: copies, and identities whose own sharding or layout the plan
+    # replaces. `name` is checkpoint_name: a remat policy reads it, the program does not
+    # (tests/test_ir_primitives.py::test_checkpoint_name_plans_as_without).
+    **_table("elementwise", """copy stop_gradient sharding_constraint reshard name
+             layout_constraint relayout xla_metadata_value""", flops=F.zero, fusible=True),
     "integer_pow": PrimitiveInfo("elementwise", F.integer_pow, fusible=True),
+    # Horner's rule: a multiply and an add per coefficient past the first, per element.
+    "polynomial": PrimitiveInfo("elementwise", F.polynomial, fusible=True),
     # Expanded by JAX into many ops; not measured yet: one flop per element.
     **_table("elementwise", "regularized_incomplete_beta", fusible=True),
 }
@@ -93,6 +100,8 @@ _REDUCTIONS = {
              flops=F.reduction, fusible=True),
     **_table("reduce_whole", "argmax argmin", flops=F.arg_reduction, fusible=True),
     "reduce_xor": PrimitiveInfo("reduce_whole", F.reduction),
+    # lax.reduce with a combiner of its own (variadic: several operands and their inits)
+    "reduce": PrimitiveInfo("reduce_combined", F.combined_reduction),
     "cumsum": PrimitiveInfo("cumulative", F.cumulative(), linear=(0,)),
     **_table("cumulative", "cumprod cummax cummin", flops=F.cumulative()),
     "cumlogsumexp": PrimitiveInfo("cumulative", F.cumulative(8.0), transcendental=True),
@@ -106,6 +115,10 @@ _SHAPE = {
     "concatenate": PrimitiveInfo("along_dimension", F.zero, fusible=True),
     "sort": PrimitiveInfo("along_dimension", F.sort),
     **{n: PrimitiveInfo(n, F.zero) for n in ("dynamic_slice", "dynamic_update_slice", "split")},
+    # jnp.stack, jnp.tile and lax.unstack (primitives of their own since jax 0.9)
+    **{n: PrimitiveInfo(n, F.zero, fusible=True) for n in ("stack", "unstack", "tile")},
+    # an uninitialised array (jnp.empty since jax 0.11): each device allocates its own piece
+    "empty": PrimitiveInfo("iota", F.zero, fusible=True),
 }
 
 _INDEXED = {
@@ -142,7 +155,8 @@ _RANDOM = {
 
 _OTHER = {
     "dot_general": PrimitiveInfo("dot", F.dot_general, leader=True),
-    **_table("identity", "optimization_barrier device_put", flops=F.zero, fusible=True),
+    **_table("identity", "optimization_barrier device_put shard_alike", flops=F.zero,
+             fusible=True),
     # Shardy has no sharding rule for these: XLA gathers their operands whatever the plan.
     **_table("unpartitioned", "top_k approx_top_k"),
     # The scalar a scan's transpose starts its zero accumulators from (jax's lax.empty2).
@@ -151,9 +165,61 @@ _OTHER = {
     # replicated, only when the lifter is told to keep loops whole; shard_map always.
     **_table("control", "scan while cond shard_map", flops=None),
     # Inlined by the lifter (ir/lift.py INLINE): a node only if a body does not fit.
-    **_table("call", """jit pjit closed_call remat2 custom_jvp_call custom_vjp_call
-             custom_vjp_call_jaxpr custom_lin""", flops=None),
+    **_table("call", """jit pjit call closed_call eval_jaxpr remat2 custom_jvp_call custom_vjp_call
+             custom_vjp_call_jaxpr custom_lin composite xla_metadata_call""", flops=None),
 }
+
+# Primitives that run whole on every device on purpose, each group with its reason (coverage
+# reports them apart from the primitives the table does not know). Kernel-language primitives
+# (Pallas, Mosaic, Triton, thunky) appear only inside a kernel's body, never in a step's graph:
+# their entry points are named here. tests/test_ir_primitives.py enumerates JAX's primitives
+# and fails on one that is neither here nor above.
+_REPLICATED_WHY = {
+    "collectives and manual-axis casts: they appear inside shard_map and pmap bodies, which "
+    "run as written": """
+        all_gather all_gather_done all_gather_invariant all_gather_reduced
+        all_gather_reduced_start all_gather_start all_to_all all_to_all_done all_to_all_start
+        axis_index pbroadcast pbroadcast_done pbroadcast_dynamic pbroadcast_start pmax pmin
+        ppermute ppermute_done ppermute_start precv preduced psend psum psum_done psum_invariant
+        psum_invariant_start psum_start ragged_all_to_all reduce_scatter reduce_scatter_done
+        reduce_scatter_start unreduced_pmax unreduced_pmin unreduced_psum unreduced_psum_start
+        unreduced_reduce_scatter unreduced_reduce_scatter_start pvary reduced_vary_cast
+        reduced_vary_cast_p vary_unreduced_cast vary_unreduced_cast_p""",
+    "kernels, custom calls and host callbacks: XLA runs them on whole operands": """
+        pallas_call core_map tpu_custom_call mosaic_gpu_p ffi_call cudnn_fusion
+        dot_product_attention_fwd dot_product_attention_bwd dot_product_attention_fwd_wrapper
+        dot_product_attention_bwd_wrapper dot_product_attention_fp8_fwd
+        dot_product_attention_fp8_bwd dot_product_attention_fp8_fwd_wrapper
+        dot_product_attention_fp8_bwd_wrapper scaled_matmul scaled_matmul_wrapper rnn_fwd
+        rnn_bwd pure_callback io_callback debug_callback debug_print buffer_callback
+        inspect_sharding call_exported custom_partitioning""",
+    "calls kept whole: their bodies run apart from the step (host compute, batching and "
+    "derivative rules, effect ordering, fused regions)": """
+        compute_on custom_vmap_call linear_call remat_opt call_hi_primitive
+        call_hi_primitive_linearized custom_linear_solve program_order fused_call
+        custom_jvp_call_jaxpr""",
+    "no sharding rule yet: linear algebra, FFT, ragged and scaled contractions, sparse "
+    "formats": """
+        cholesky cholesky_update eig eigh geqp3 geqrf hessenberg householder_product lu
+        lu_pivots_to_permutation ormqr qr schur svd symmetric_product triangular_solve
+        tridiagonal tridiagonal_solve fft ragged_dot_general scaled_dot bcoo_dot_general
+        bcoo_dot_general_sampled bcoo_extract bcoo_fromdense bcoo_sort_indices
+        bcoo_spdot_general bcoo_sum_duplicates bcoo_todense bcoo_transpose bcsr_dot_general
+        bcsr_extract bcsr_fromdense bcsr_todense coo_fromdense coo_matmat coo_matvec coo_spmm
+        coo_spmv coo_todense csr_fromdense csr_matmat csr_matvec csr_spmm csr_spmv csr_todense
+        todense spsolve""",
+    "mutable references and boxes: state, not arrays the plan places": """
+        get swap addupdate new_ref empty_ref free_ref freeze accum_grad_in_ref run_state
+        create_linear broadcast_to pin unpin box_get box_set new_box new_log log_extend
+        log_read stage""",
+    "tokens, checks, shape and platform queries, extended dtypes: no array work": """
+        after_all create_token check platform_index shape_assertion dim_as_value
+        dimension_size unreachable dce_sink zeros_like tie to_edtype from_edtype consume
+        assert_consumed_value global_array_to_host_local_array
+        host_local_array_to_global_array""",
+}
+_REPLICATED = {n: PrimitiveInfo("replicated", why=why) for why, names in _REPLICATED_WHY.items()
+               for n in names.split()}
 
 # shardplan's own pseudo-primitives: the entry and exit of an inlined loop (ir/lift.py). They
 # have no equation and move no data; their rules (strategies/control_flow.py) give the layout
@@ -165,20 +231,44 @@ _LOOP = {
 }
 PSEUDO = frozenset(_LOOP)
 
-# Names of primitives that JAX has since renamed, kept so older versions plan alike.
+# Names of primitives that JAX has since renamed or removed, kept so older versions plan alike.
 OLD_NAMES = frozenset({
     "pjit",                   # jit before jax 0.7
     "custom_vjp_call_jaxpr",  # custom_vjp_call before jax 0.6.1
+    # gone by jax 0.12 (closed_call and call are eval_jaxpr after 0.11.0)
+    "closed_call", "call", "shard_alike", "reduced_vary_cast_p", "vary_unreduced_cast_p",
+    "pbroadcast_done", "pbroadcast_start", "psum_start", "unreduced_psum_start",
+    "unreduced_reduce_scatter_start", "box_get", "box_set", "new_box", "new_log", "log_extend",
+    "log_read", "core_map",
+})
+# Names of primitives new since jax 0.10.2, kept so the table is the same on every version.
+NEW_NAMES = frozenset({
+    "one_minus_square", "log2", "polynomial", "relayout", "program_order",  # jax 0.12
+    "reduced_vary_cast", "vary_unreduced_cast", "pbroadcast_dynamic", "unreduced_pmax",
+    "unreduced_pmin",
 })
 
-PRIMITIVES: Mapping[str, PrimitiveInfo] = types.MappingProxyType(dict(sorted({
-    **_ELEMENTWISE, **_REDUCTIONS, **_SHAPE, **_INDEXED, **_WINDOWED, **_RANDOM, **_OTHER,
-    **_LOOP,
-}.items())))
+
+def _merged(*tables: dict[str, PrimitiveInfo]) -> dict[str, PrimitiveInfo]:
+    """One entry per primitive: a name in two tables is an error, not a silent override."""
+    out: dict[str, PrimitiveInfo] = {}
+    for table in tables:
+        for name, entry in table.items():
+            if name in out:
+                raise ValueError(f"primitive {name!r} has two entries; keep one")
+            out[name] = entry
+    return dict(sorted(out.items()))
+
+
+PRIMITIVES: Mapping[str, PrimitiveInfo] = types.MappingProxyType(_merged(
+    _REPLICATED, _ELEMENTWISE, _REDUCTIONS, _SHAPE, _INDEXED, _WINDOWED, _RANDOM, _OTHER, _LOOP))
 
 DEFAULT = PrimitiveInfo("replicated", F.elementwise)
 """What the planner assumes of a primitive it does not know: it runs replicated, one flop
 per output element, never fused."""
+
+REPLICATED_ON_PURPOSE = frozenset(_REPLICATED)
+"""Primitives that run whole on every device by design (each entry's `why` says why)."""
 
 
 def info(primitive: str) -> PrimitiveInfo:

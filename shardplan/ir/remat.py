@@ -126,15 +126,16 @@ def _find_pair(eqns: Sequence, outvars: Sequence):
     for j, b in enumerate(eqns):
         if not _is_scan(b):
             continue
-        xs_at = b.params["num_consts"] + b.params["num_carry"]
+        xs_at = sum(_compat.scan_counts(b.params))
         by_f: dict[int, dict[int, int]] = {}
         for p in range(xs_at, len(b.invars)):
             src = made.get(b.invars[p]) if not isinstance(b.invars[p], _compat.Literal) else None
             if src is None or not _is_scan(eqns[src[0]]):
                 continue
             f = eqns[src[0]]
-            if src[1] >= f.params["num_carry"]:
-                by_f.setdefault(src[0], {})[p] = src[1] - f.params["num_carry"]
+            f_carry = _compat.scan_counts(f.params)[1]
+            if src[1] >= f_carry:
+                by_f.setdefault(src[0], {})[p] = src[1] - f_carry
         for i, residuals in sorted(by_f.items()):
             if _recognised(eqns[i], b) and _gain(eqns[i], b, j, residuals, users) > 0:
                 return i, j, residuals
@@ -160,7 +161,7 @@ def _live(jaxpr, outs) -> set:
 def _carry_rows(f, residuals: dict[int, int]) -> dict[int, int | None]:
     """For each carry of F the recomputation of `residuals` reads: the ys index F already
     stacks it at (its body emits the carry input as a y), or None."""
-    body, nc, ncar = f.params["jaxpr"].jaxpr, f.params["num_consts"], f.params["num_carry"]
+    body, (nc, ncar) = f.params["jaxpr"].jaxpr, _compat.scan_counts(f.params)
     ys = body.outvars[ncar:]
     live = _live(body, [ys[y] for y in residuals.values()])
     return {k: next((y for y, v in enumerate(ys) if v is c), None)
@@ -169,7 +170,7 @@ def _carry_rows(f, residuals: dict[int, int]) -> dict[int, int | None]:
 
 def _gain(f, b, j: int, residuals: dict[int, int], users: dict) -> int:
     """Bytes F stops stacking minus the bytes of the carry rows it stacks anew."""
-    ncar, length = f.params["num_carry"], f.params["length"]
+    (nc, ncar), length = _compat.scan_counts(f.params), f.params["length"]
     rows = _carry_rows(f, residuals)
     kept_rows = {y for y in rows.values() if y is not None}
     freed = 0
@@ -178,7 +179,6 @@ def _gain(f, b, j: int, residuals: dict[int, int], users: dict) -> int:
         if all(u[0] == j and u[1] in residuals for u in users.get(out, [])):
             freed += nbytes(out.aval)
     body = f.params["jaxpr"].jaxpr
-    nc = f.params["num_consts"]
     added = sum(length * nbytes(body.invars[nc + k].aval) for k, y in rows.items() if y is None)
     return freed - added
 
@@ -190,7 +190,7 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
            stats: list) -> list:
     f, b = eqns[i], eqns[j]
     f_body, f_consts = f.params["jaxpr"].jaxpr, f.params["jaxpr"].consts
-    nc, ncar, length = f.params["num_consts"], f.params["num_carry"], f.params["length"]
+    (nc, ncar), length = _compat.scan_counts(f.params), f.params["length"]
 
     # F stacks the carry inputs the recomputation reads (where it does not already)
     rows = _carry_rows(f, residuals)
@@ -207,7 +207,7 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
 
     # B: F's consts as more consts, the carry rows and F's xs as more xs
     b_body, b_consts = b.params["jaxpr"].jaxpr, b.params["jaxpr"].consts
-    bnc, bcar = b.params["num_consts"], b.params["num_carry"]
+    bnc, bcar = _compat.scan_counts(b.params)
     b_ins, b_vars = list(b.invars), list(b_body.invars)
     consts_in, consts_var = b_ins[:bnc], b_vars[:bnc]
     carry_in, carry_var = b_ins[bnc:bnc + bcar], b_vars[bnc:bnc + bcar]
@@ -249,7 +249,7 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
     new_body = _dce(jcore.Jaxpr(
         [*b_body.constvars, *const_vars], b_ins_new, body_outs, body_eqns, _effects(body_eqns),
         _debug_info(b_body, len(b_ins_new), len(body_outs))))
-    new_b = b.replace(invars=[*consts_in, *carry_in, *xs_in], params=_scan_params(
+    new_b = b.replace(invars=[*consts_in, *carry_in, *xs_in], params=_compat.scan_params(
         b.params, jcore.ClosedJaxpr(new_body, [*b_consts, *f_consts]), len(consts_in)))
 
     # F stacks only the ys something still reads
@@ -261,8 +261,9 @@ def _apply(eqns: list, outvars: Sequence, i: int, j: int, residuals: dict[int, i
         f_body.eqns, f_body.effects, _debug_info(f_body, len(f_body.invars), ncar + len(keep))))
     stats[1] += sum(nbytes(v.aval) for k, v in enumerate(f_outs) if k >= ncar and k not in keep)
     stats[2] += sum(nbytes(v.aval) for v in carry_stacks.values())
-    new_f = f.replace(outvars=[*f_outs[:ncar], *(f_outs[k] for k in keep)], params=_scan_params(
-        f.params, jcore.ClosedJaxpr(f_body_new, f_consts), nc))
+    new_f = f.replace(
+        outvars=[*f_outs[:ncar], *(f_outs[k] for k in keep)],
+        params=_compat.scan_params(f.params, jcore.ClosedJaxpr(f_body_new, f_consts), nc))
     stats[0] += 1
     return [*eqns[:i], new_f, *eqns[i + 1:]]
 
@@ -311,8 +312,3 @@ def _debug_info(jaxpr, num_in: int, num_out: int):
                          result_paths=None)
 
 
-def _scan_params(params: dict, body, num_consts: int) -> dict:
-    new = dict(params, jaxpr=body, num_consts=num_consts)
-    if "linear" in params:  # jax < 0.10 records which operands are linear
-        new["linear"] = (False,) * len(body.jaxpr.invars)
-    return new

@@ -10,34 +10,61 @@ from shardplan.strategies import common
 from shardplan.strategies.base import Rule, Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
+ROLES = ("batch", "out", "in", "group")
+
+
+def _roles(p: dict, depthwise: bool) -> tuple[bool, ...]:
+    """Which roles a convolution offers (ROLES' order). Groups are split whole: the lhs
+    features and rhs output features of a depthwise convolution, the lhs batch and rhs output
+    features of a batch-grouped one (the weight gradient of a grouped convolution). XLA
+    all-gathers the split groups and the split batch of a feature-grouped convolution unless
+    it is depthwise (one input feature per group): replicated there. A batch-grouped
+    convolution's output batch is a slice of every group: not split."""
+    fgc, bgc = p.get("feature_group_count", 1), p.get("batch_group_count", 1)
+    grouped_ok = bgc > 1 or (fgc > 1 and depthwise)
+    return (bgc == 1 and (fgc == 1 or depthwise), fgc == 1 and bgc == 1, fgc == 1, grouped_ok)
+
 
 def conv_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
     """Each mesh axis splits the batch (lhs and output batch), the output features (rhs and
-    output features) or the input features (lhs and rhs: the output is a partial sum), from
-    params['dimension_numbers']. Depthwise convolutions: batch split only; other grouped
-    convolutions and batch-grouped ones: replicated."""
+    output features), the input features (lhs and rhs: the output is a partial sum, as a
+    dot's contracting dimension; in the weight gradient these are the batch) or the groups
+    of a grouped convolution, from params['dimension_numbers']. A depthwise convolution's
+    groups are its channels; its weight gradient is batch-grouped (batch_group_count), its
+    groups the input channels. tests/test_strategies_conv.py compiles every strategy."""
     p = node.params
     dn = p["dimension_numbers"]
     lhs, rhs = graph.value(node.inputs[0]), graph.value(node.inputs[1])
     out = graph.value(node.outputs[0])
-    if p.get("batch_group_count", 1) > 1:
+    fgc, bgc = p.get("feature_group_count", 1), p.get("batch_group_count", 1)
+    if fgc > 1 and bgc > 1:
         return []
-    grouped = p.get("feature_group_count", 1) > 1
+    groups = max(fgc, bgc)
+    offered = _roles(p, rhs.shape[dn.rhs_spec[1]] == 1)
     lb, lf = dn.lhs_spec[0], dn.lhs_spec[1]
     ro, ri = dn.rhs_spec[0], dn.rhs_spec[1]
     ob, of = dn.out_spec[0], dn.out_spec[1]
-    if grouped and rhs.shape[ri] != 1:
-        return []  # measured: XLA all-gathers the batch of grouped, non-depthwise convs
+    lhs_group = lf if fgc > 1 else lb  # the lhs dimension the groups divide
     found = []
-    for assign in common.assignments(mesh, 1 if grouped else 3):
-        batch, out_feat, in_feat = (*assign, (), ())[:3]
+    for assign in common.assignments(mesh, len(ROLES)):
+        if any(ax and not ok for ax, ok in zip(assign, offered)):
+            continue
+        batch, out_feat, in_feat, group = assign
+        if groups % mesh.size(group):
+            continue  # a split inside a group
+        if bgc > 1 and in_feat and len(set(batch + out_feat + in_feat + group)) < len(
+                mesh.useful_axes()):
+            # measured: XLA sums a batch-grouped convolution's partial results over the
+            # devices it leaves replicated too (in:model on 2x4 gave twice the sum)
+            continue
         lhs_dims, rhs_dims, out_dims = [()] * lhs.ndim, [()] * rhs.ndim, [()] * out.ndim
         lhs_dims[lb] = out_dims[ob] = batch
         rhs_dims[ro] = out_dims[of] = out_feat
         lhs_dims[lf] = rhs_dims[ri] = in_feat
-        used = (*batch, *out_feat, *in_feat)
-        name = "conv " + (" ".join(f"{r}:{'+'.join(ax)}" for r, ax in
-                                   (("batch", batch), ("out", out_feat), ("in", in_feat)) if ax)
+        if group:
+            lhs_dims[lhs_group] = rhs_dims[ro] = out_dims[of] = group
+        used = (*batch, *out_feat, *in_feat, *group)
+        name = "conv " + (" ".join(f"{r}:{'+'.join(ax)}" for r, ax in zip(ROLES, assign) if ax)
                           or "replicated")
         found.append(common.make(
             node, graph, mesh, [ShardSpec(tuple(lhs_dims)), ShardSpec(tuple(rhs_dims))],

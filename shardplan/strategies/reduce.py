@@ -53,6 +53,23 @@ def whole_axes_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]
     return [s for s in found if s is not None]
 
 
+def combined_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
+    """lax.reduce with its own combiner, over n operands and their n initial values: every
+    operand split alike with the reduced dimensions whole (the combiner is no collective's
+    monoid), the initial values replicated."""
+    dims = tuple(node.params["dimensions"])
+    ins, n = common.in_values(node, graph), len(node.outputs)
+    if len(ins) != 2 * n:
+        return []
+    found = []
+    for spec in _input_specs(node, graph, mesh):
+        if common.unsplit(spec, dims):
+            inits = [ShardSpec.replicated(v.ndim) for v in ins[n:]]
+            found.append(common.make(node, graph, mesh, [spec] * n + inits,
+                                     [common.drop_dims(spec, dims)] * n))
+    return [s for s in found if s is not None]
+
+
 def cumulative_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
     """cumsum and friends along an unsplit axis; linear ones (cumsum) pass partials."""
     axis = node.params["axis"]
@@ -69,5 +86,6 @@ def rules() -> dict[str, Rule]:
         "reduce_sum": reduce_sum_rule,
         "reduce": all_reduce_rule,
         "reduce_whole": whole_axes_rule,
+        "reduce_combined": combined_rule,
         "cumulative": cumulative_rule,
     }

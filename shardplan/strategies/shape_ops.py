@@ -71,12 +71,17 @@ def reshape_map(in_shape, out_shape) -> dict[int, int]:
 
 
 def reshape_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
-    """Splits that survive the reshape (see reshape_map); others are refused."""
-    if len(node.inputs) != 1 or node.params.get("dimensions") is not None:
+    """Splits that survive the reshape (see reshape_map); others are refused. A reshape with
+    `dimensions` transposes its operand by them first (the kernel of a depthwise
+    convolution's input gradient: tests/test_strategies_conv.py)."""
+    if len(node.inputs) != 1:
         return []
     in_shape = graph.value(node.inputs[0]).shape
     out_shape = graph.value(node.outputs[0]).shape
-    where = reshape_map(in_shape, out_shape)
+    perm = node.params.get("dimensions") or range(len(in_shape))
+    perm = tuple(perm)
+    moved = reshape_map([in_shape[d] for d in perm], out_shape)
+    where = {perm[j]: o for j, o in moved.items()}
     found = []
     for spec in _input_specs(node, graph, mesh):
         dims = [()] * len(out_shape)
@@ -144,6 +149,29 @@ def _along_axis(node: Node, graph: Graph):
     return [ndim - 1 if axis is None else axis % ndim]
 
 
+def _tiled(node: Node, graph: Graph):
+    """tile: the dimensions it repeats stay whole."""
+    return [d for d, r in enumerate(node.params["reps"]) if r != 1]
+
+
+def stack_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
+    """Every operand split alike; the new dimension whole, the others as the operands'."""
+    axis = node.params["axis"] % (graph.value(node.inputs[0]).ndim + 1)
+    found = []
+    for s in _input_specs(node, graph, mesh):
+        out = common.with_dims(s, [*s.dims[:axis], (), *s.dims[axis:]])
+        found.append(common.make(node, graph, mesh, [s] * len(node.inputs), [out]))
+    return [s for s in found if s is not None]
+
+
+def unstack_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
+    """The dimension it unstacks whole; each result split as the operand's other dimensions."""
+    axis = node.params["axis"] % graph.value(node.inputs[0]).ndim
+    found = [common.make(node, graph, mesh, [s], [common.drop_dims(s, [axis])] * len(node.outputs))
+             for s in _input_specs(node, graph, mesh) if common.unsplit(s, [axis])]
+    return [s for s in found if s is not None]
+
+
 def iota_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
     """Any split: each device builds its own piece of the iota."""
     out = graph.value(node.outputs[0])
@@ -167,4 +195,7 @@ def rules() -> dict[str, Rule]:
         "along_dimension": _whole(_along_dimension),
         "split": _whole(_along_axis),
         "iota": iota_rule,
+        "stack": stack_rule,
+        "unstack": unstack_rule,
+        "tile": _whole(_tiled),
     }
