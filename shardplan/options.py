@@ -166,6 +166,12 @@ class SearchOptions:
     """The CP-SAT solver's random seed (plans are deterministic for a seed)."""
     workers: int = 1
     """Solver threads (1 keeps plans deterministic)."""
+    deterministic: bool = False
+    """Limit each solve by its work instead of the wall clock: time_limit becomes seconds of
+    deterministic work per solve (CP-SAT's deterministic time; HiGHS's simplex iterations and
+    branch-and-bound nodes at fixed rates, shardplan.intra.settings) and the intra-op planner
+    keeps no deadline, so the plan is the same at any load, however long it takes (the tests
+    plan so)."""
     state_argnums: tuple[int, ...] | None = None
     """Which arguments are state (params, optimizer state); default those an output gives back."""
     batch_argnums: tuple[int, ...] | None = None

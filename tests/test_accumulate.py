@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import shardplan
+from shardplan import _compat
 from shardplan.analysis import hlo
 from shardplan.inter import accumulate as acc
 from shardplan.inter import accumulate_choices as choices
@@ -280,8 +281,8 @@ def test_low_precision_gradients_accumulate_in_float32():
     x = jnp.ones((8, 4), jnp.bfloat16)
     closed = jax.make_jaxpr(acc.accumulate(step, 4))(w, x)
     (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
-    first = scan.params["num_consts"]
-    carry = scan.params["jaxpr"].in_avals[first:first + scan.params["num_carry"]]
+    first, num_carry = _compat.scan_counts(scan.params)
+    carry = scan.params["jaxpr"].in_avals[first:first + num_carry]
     # the gradient of the bf16 cast of w is bf16; its accumulator float32
     assert [str(a.dtype) for a in carry] == ["float32"] * len(carry)
     assert acc.accumulator_dtype(jnp.bfloat16) == np.float32

@@ -7,6 +7,7 @@ from shardplan.inter import planner, stage_io
 from shardplan.inter import split as sp
 from shardplan.inter import tables as tables_mod
 from shardplan.intra.planner import IntraOptions
+from shardplan.intra.settings import SolverSettings
 from shardplan.strategies.spec import MeshShape
 from tests.test_inter_planner import SLOW
 from tests.test_inter_split import mlp_step
@@ -17,7 +18,8 @@ def test_repeated_layers_are_planned_once_and_tables_are_consistent():
     s = sp.split_step(step, args, num_micro_batches=4)
     cluster = tables_mod.Cluster.of(MeshShape(("d",), (8,)), SLOW)
     assert (cluster.num_hosts, cluster.per_host) == (2, 4)
-    cache = tables_mod.CostTables(SLOW, cluster, IntraOptions(time_limit_s=10))
+    cache = tables_mod.CostTables(SLOW, cluster, IntraOptions(
+        solver=SolverSettings(time_limit=10, deterministic=True)))
     tables = tables_mod.build_tables(s, stage_io.layer_groups(s, 8), cache, SLOW, None)
     assert cache.num_ilps == 3 * len(tables.shapes)  # first, middle (x6), last layer
     mid = [tables.costs[k] for k in range(1, 7)]

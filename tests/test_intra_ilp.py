@@ -10,6 +10,10 @@ from shardplan.intra.ilp import (
     evaluate,
     solve,
 )
+from shardplan.intra.settings import SolverSettings
+
+# Solves limited by their work, not the wall clock: the verdicts hold at any load.
+WORK = SolverSettings(time_limit=10, deterministic=True)
 
 
 def random_problem(seed, n=5, k=3, with_memory=False):
@@ -25,7 +29,7 @@ def random_problem(seed, n=5, k=3, with_memory=False):
         rows = tuple(tuple((int(i), rng.integers(1, 10, size=sizes[i]).astype(float))
                            for i in rng.choice(n, size=3, replace=False)) for _ in range(2))
         budget = float(rng.uniform(8, 25))
-    return SolverInput(costs, tuple(edges), rows, budget, time_limit_s=10)
+    return SolverInput(costs, tuple(edges), rows, budget, solver=WORK)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -92,7 +96,7 @@ def test_joint_ties_are_broken_the_same_way_every_run():
         base = len(costs)
         costs += [np.full(2, 0.5)] * 3
         edges += [(base + i, base + i + 1, agree) for i in range(2)]
-    inp = SolverInput(tuple(costs), tuple(edges), time_limit_s=10)
+    inp = SolverInput(tuple(costs), tuple(edges), solver=WORK)
     sols = [solve(inp) for _ in range(6)]
     assert len({s.choice for s in sols}) == 1
     assert sols[0].optimal
@@ -115,7 +119,8 @@ def test_time_is_kept_for_cp_sat_when_highs_finds_no_plan_that_fits(monkeypatch)
     # more rows than one round, so they are added lazily; the budget fits the smallest layouts
     rows = tuple(tuple((int(i), np.array([8.0, 4.0, 2.0])) for i in rng.choice(n, 4, False))
                  for _ in range(3 * ilp.ROWS_PER_ROUND))
-    inp = SolverInput(costs, edges, rows, 20.0, time_limit_s=5, deadline=Deadline(5.0))
+    inp = SolverInput(costs, edges, rows, 20.0, solver=SolverSettings(time_limit=5),
+                      deadline=Deadline(5.0))
     seen = []
 
     def no_plan(sub):

@@ -7,6 +7,10 @@ from scipy import optimize, sparse
 
 from shardplan.intra import linear, relaxation
 from shardplan.intra.ilp import SolverInput
+from shardplan.intra.settings import SolverSettings
+
+# Solves limited by their work, not the wall clock: the verdicts hold at any load.
+WORK = SolverSettings(time_limit=10, deterministic=True)
 
 
 def budgeted(seed, n=7, k=4, rows=5):
@@ -21,7 +25,7 @@ def budgeted(seed, n=7, k=4, rows=5):
     memory_rows = tuple(tuple((int(i), nbytes[i]) for i in m) for m in members)
     budget = max(sum(float(nbytes[i].min()) for i in m) for m in members) + 150.0
     return SolverInput(costs, edges, memory_rows=memory_rows, memory_budget=budget,
-                       time_limit_s=10)
+                       solver=WORK)
 
 
 def _arrays(inp):
@@ -37,9 +41,9 @@ def _arrays(inp):
 @pytest.mark.parametrize("seed", range(6))
 def test_lazy_rows_give_the_bound_and_reduced_costs_of_the_whole_lp(seed):
     obj, lb, ub, matrix, rlo, rhi, lazy = _arrays(budgeted(seed))
-    whole = relaxation.solve_at_once(obj, lb, ub, matrix, rlo, rhi, 10, presolve=True)
-    lazily = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, lambda: 10)
-    free = relaxation.solve_at_once(obj, lb, ub, matrix[~lazy], rlo[~lazy], rhi[~lazy], 10,
+    whole = relaxation.solve_at_once(obj, lb, ub, matrix, rlo, rhi, WORK, presolve=True)
+    lazily = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, WORK)
+    free = relaxation.solve_at_once(obj, lb, ub, matrix[~lazy], rlo[~lazy], rhi[~lazy], WORK,
                                     presolve=True)
     assert whole.status == lazily.status == free.status == 0
     assert free.fun < whole.fun - 1e-6  # the memory rows bind: some were added
@@ -62,13 +66,13 @@ def test_lazy_rows_that_no_plan_keeps_are_infeasible():
     inp = budgeted(0)
     obj, lb, ub, matrix, rlo, rhi, lazy = _arrays(inp)
     rhi = np.where(lazy, 1.0, rhi)  # a budget below every choice's bytes
-    assert relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, lambda: 10).status == 2
+    assert relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, WORK).status == 2
 
 
 def test_without_scipys_highs_binding_the_lp_is_solved_at_once(monkeypatch):
     obj, lb, ub, matrix, rlo, rhi, lazy = _arrays(budgeted(1))
-    lazily = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, lambda: 10)
+    lazily = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, WORK)
     monkeypatch.setattr(relaxation, "_highs", None)
-    once = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, lambda: 10)
+    once = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, WORK)
     assert once.status == lazily.status == 0
     assert once.fun == pytest.approx(lazily.fun, rel=1e-9)

@@ -7,14 +7,18 @@ import shardplan
 from shardplan.config import SearchSection, parse_config
 from shardplan.intra.ilp import SolverInput
 from shardplan.intra.planner import IntraOptions
+from shardplan.intra.settings import SolverSettings
 from shardplan.options import DEFAULTS, SearchOptions
 
 
 def test_defaults_are_declared_once():
     intra, solver, section = IntraOptions(), SolverInput(()), SearchSection()
-    assert intra.time_limit_s == solver.time_limit_s == section.time_limit == DEFAULTS.time_limit
-    assert intra.seed == solver.seed == section.solver_seed == DEFAULTS.solver_seed
-    assert intra.workers == solver.workers == section.workers == DEFAULTS.workers
+    # the planner and the solver hold one SolverSettings, SearchOptions' fields by their names
+    assert intra.solver == solver.solver == SolverSettings.of(DEFAULTS)
+    assert intra.solver.time_limit == section.time_limit == DEFAULTS.time_limit
+    assert intra.solver.solver_seed == section.solver_seed == DEFAULTS.solver_seed
+    assert intra.solver.workers == section.workers == DEFAULTS.workers
+    assert not intra.solver.deterministic and not DEFAULTS.deterministic
     assert section.schedule == DEFAULTS.schedule
 
 

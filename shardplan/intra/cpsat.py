@@ -207,12 +207,15 @@ def _memory_exprs(model, inp: SolverInput, x, copy_terms) -> list:
 def solver_for(inp: SolverInput):
     solver = cp_model.CpSolver()
     p = solver.parameters
-    p.random_seed = inp.seed
-    p.num_workers = max(1, inp.workers)
+    settings = inp.solver
+    p.random_seed = settings.solver_seed
+    p.num_workers = max(1, settings.workers)
     # One worker and a deterministic time limit give the same plan for the same input; more
     # workers search faster but race (interleave_search would fix that, at 1000x the time).
-    p.max_deterministic_time = inp.time_limit_s
-    p.max_time_in_seconds = max(0.01, min(inp.time_limit_s * 4, inp.remaining()))
+    # The wall clock bounds it too unless the solve is limited by its work alone.
+    p.max_deterministic_time = settings.time_limit
+    if not settings.deterministic:
+        p.max_time_in_seconds = max(0.01, min(settings.time_limit * 4, inp.remaining()))
     # Lean on the LP relaxation: it is tight for these problems (measured: integral on a GPT
     # train step), and level 2 proves optimality in seconds where the default takes minutes.
     p.linearization_level = 2

@@ -16,7 +16,7 @@ import scipy.sparse
 from ortools.sat.python import cp_model
 
 from shardplan.intra import cpsat, linear, presolve
-from shardplan.options import DEFAULTS
+from shardplan.intra.settings import SolverSettings
 from shardplan.units import Deadline, fmt_bytes
 
 
@@ -71,18 +71,16 @@ class SolverInput:
     copies, row_copies: reshard copies (Copy) and, per row, the indices of those alive then.
     implications: rows that forbid some pairs of two nodes' choices (Implication).
     hint: a known feasible choice (for example all replicated) to start the search from.
-    workers: CP-SAT workers; 1 (the default) is deterministic, more are faster but may race.
-    deadline: the wall clock the whole search must end by; time_limit_s stays the
-      deterministic limit (the same plan for the same input when the deadline is generous).
+    solver: each solve's limits, seed and workers (settings.SolverSettings).
+    deadline: the wall clock the whole search must end by (None where the solves are limited
+      by their work: the same plan for the same input at any load).
     """
 
     node_costs: tuple[np.ndarray, ...]
     edges: tuple[tuple[int, int, np.ndarray], ...] = ()
     memory_rows: tuple[tuple[tuple[int, np.ndarray], ...], ...] = ()
     memory_budget: float | None = None
-    time_limit_s: float = DEFAULTS.time_limit
-    seed: int = DEFAULTS.solver_seed
-    workers: int = DEFAULTS.workers
+    solver: SolverSettings = dataclasses.field(default_factory=SolverSettings)
     hint: tuple[int, ...] | None = None
     memory_base: tuple[tuple[int, np.ndarray], ...] = ()
     copies: tuple[Copy, ...] = ()
@@ -280,10 +278,10 @@ def solve(inp: SolverInput) -> Solution:
         # lazy LP spent a 1-byte budget's time limit on the MoE at test size on 2x4 proving it)
         value, exact, least = least_memory(inp)
         raise InfeasibleMemory(budget, value, exact, found_bytes=least)
-    if budget is not None and inp.deadline is not None:
+    if budget is not None and (inp.deadline is not None or inp.solver.deterministic):
         fits = _fallbacks(inp)
     kept = fits == []
-    if kept:
+    if kept and inp.deadline is not None:
         # No fallback fits: HiGHS gets most of the time, the rest is kept for CP-SAT to find
         # any plan that fits (a fallback that fits leaves HiGHS all of it: gpt-6.7b on 8x8,
         # 80 GB, found its plan after 70% of the 30 s)
@@ -321,8 +319,8 @@ def solve(inp: SolverInput) -> Solution:
         return Solution(choice, obj, peak, False, "fallback")
     if kept and (found := _any_fitting(whole, active if lazy else None)):
         return found
-    raise SearchTimeout(inp.deadline.limit_s if inp.deadline is not None else inp.time_limit_s,
-                        "the ILP found no plan that fits within its time limit")
+    limit = inp.deadline.limit_s if inp.deadline is not None else inp.solver.time_limit
+    raise SearchTimeout(limit, "the ILP found no plan that fits within its time limit")
 
 
 def without_memory(inp: SolverInput) -> SolverInput:

@@ -168,8 +168,10 @@ def mip(inp: SolverInput):
     """Solve the MIP with HiGHS (scipy.optimize.milp: the model goes to HiGHS as arrays, where
     OR-Tools' wrapper of it spent as long again copying a GPT layer's model in):
     ('optimal' | 'feasible', choice), ('infeasible', None) when no choice fits the memory rows
-    (proven), or ('timeout', None). The time limit is the wall clock (HiGHS has no
-    deterministic one): a solve cut short may differ between runs; one that ends is the same.
+    (proven), or ('timeout', None). HiGHS stops at the wall clock, or where `inp.solver` is
+    deterministic at its simplex iterations and nodes (settings.SolverSettings: HiGHS has no
+    deterministic clock): a solve cut short by the clock may differ between runs; one that
+    ends is the same.
 
     Where every choice fits (no memory rows), the LP relaxation is solved first: Alpa's edge
     pairs make it integral on most of these problems (measured: the unrolled GPT-2 1.5B core on
@@ -194,8 +196,7 @@ def mip(inp: SolverInput):
 
     def run(options, keep=None):
         """The MIP (over the columns in `keep`), its solution spread over every column."""
-        options = {"time_limit": max(0.01, min(inp.time_limit_s, inp.remaining())),
-                   "disp": False, **options}
+        options = {**inp.solver.highs_mip(inp.remaining()), "disp": False, **options}
         keep = np.ones(model.num_vars, bool) if keep is None else keep
         with warnings.catch_warnings():
             # scipy warns of the HiGHS options it does not list, and passes them on
@@ -218,8 +219,8 @@ def mip(inp: SolverInput):
     if _budgeted(inp):
         lazy = np.zeros(model.num_rows, bool)
         lazy[model.budget_rows] = True
-        lp = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy,
-                                     lambda: min(inp.time_limit_s, inp.remaining()))
+        lp = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, inp.solver,
+                                     inp.remaining)
         found = _within_budget(inp, lp, lambda keep: run(options, keep), obj, num_x,
                                model.num_01, choice_of)
         if found is not None:
@@ -258,8 +259,8 @@ def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi) -> relaxation.R
     these cores (presolve.py has) and cost more than it saved (CPU s, on: off, GPT-2 124M on
     2x4 1.07: 0.56, the scanned GPT-2 1.5B on 8x8 0.55: 0.38, the unrolled one and llama-7b on
     8x8 even). With memory rows the LP is solved lazily (relaxation.solve_lazily)."""
-    return relaxation.solve_at_once(obj, lb, ub, matrix, rlo, rhi,
-                                    min(inp.time_limit_s, inp.remaining()), presolve=False)
+    return relaxation.solve_at_once(obj, lb, ub, matrix, rlo, rhi, inp.solver, inp.remaining(),
+                                    presolve=False)
 
 
 # Under a memory budget: guesses of how far above the LP relaxation's bound the MIP's optimum

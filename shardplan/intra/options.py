@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from shardplan.intra.memory import MARGIN
 from shardplan.intra.planner import IntraOptions
+from shardplan.intra.settings import SolverSettings
 from shardplan.options import SearchOptions
 from shardplan.strategies.spec import ShardSpec
 from shardplan.units import Deadline
@@ -20,12 +21,14 @@ def intra_options(options: SearchOptions, memory_budget: float | None = None,
     """IntraOptions with the solver settings of `options` and `memory_budget` (the ILP's
     budget, which the measured selection may tighten below the search's); `fixed_inputs` are
     the inputs the options' hints pin (shardplan.intra.hints.fixed_inputs); the wall clock the
-    whole search ends by, and the flat inputs the compiled step donates (None: its state);
-    `combine_gradients`: IntraOptions' (None: its default); `compiler`: the target's
-    HardwareProfile.backend, whose buffer rules the memory model follows."""
-    return IntraOptions(memory_budget=memory_budget, time_limit_s=options.time_limit,
-                        seed=options.solver_seed, workers=options.workers,
-                        fixed_inputs=dict(fixed_inputs or {}), deadline=deadline,
+    whole search ends by (dropped where the options limit solves by their work), and the flat
+    inputs the compiled step donates (None: its state); `combine_gradients`: IntraOptions'
+    (None: its default); `compiler`: the target's HardwareProfile.backend, whose buffer rules
+    the memory model follows."""
+    solver = SolverSettings.of(options)
+    return IntraOptions(memory_budget=memory_budget, solver=solver,
+                        fixed_inputs=dict(fixed_inputs or {}),
+                        deadline=None if solver.deterministic else deadline,
                         donated=donated, memory_margin=MARGIN, compiler=compiler,
                         model_constraints=options.model_constraints,
                         combine_gradients=(IntraOptions.combine_gradients

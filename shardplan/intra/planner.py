@@ -15,6 +15,7 @@ from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra import estimate as estimate_mod
 from shardplan.intra import experts, ilp
 from shardplan.intra.problem import IntraOptions, Problem, is_tensor
+from shardplan.intra.settings import SolverSettings
 from shardplan.ir.graph import Graph
 from shardplan.strategies import coverage as coverage_mod
 from shardplan.strategies.base import Strategy
@@ -62,7 +63,7 @@ def _pinned(problem: Problem, inp: ilp.SolverInput, fixed: Mapping[int, ShardSpe
     hint = tuple(int(np.argmin(c)) for c in costs)
     # A seed is a guard, not the search: it gets a short time limit.
     return inp.replace(node_costs=tuple(costs), hint=hint,
-                       time_limit_s=min(inp.time_limit_s, 3.0))
+                       solver=inp.solver.replace(time_limit=min(inp.solver.time_limit, 3.0)))
 
 
 # Under a budget and a deadline, the share of the time kept from the free solve for the
@@ -82,14 +83,14 @@ def _leaving_seeds_time(inp: ilp.SolverInput, seeds) -> ilp.SolverInput:
     return inp.replace(deadline=Deadline(left * (1 - SEED_SHARE), grace=0.0))
 
 
-def _seeded(pinned: ilp.SolverInput, time_limit_s: float) -> ilp.Solution:
+def _seeded(pinned: ilp.SolverInput, solver: SolverSettings) -> ilp.Solution:
     """The best plan with an expert's inputs. Under a budget, first as measure writes the
     expert's plan (shardplan.planning.expert_plans: the ILP around its inputs without the budget;
     fast, as no memory row keeps presolve or the LP from the problem): if that fits, nothing
     that fits is cheaper. Else the budgeted ILP, that completion as its hint."""
     if pinned.memory_budget is None:
         return ilp.solve(pinned)
-    free = ilp.solve(dataclasses.replace(ilp.without_memory(pinned), time_limit_s=time_limit_s))
+    free = ilp.solve(dataclasses.replace(ilp.without_memory(pinned), solver=solver))
     obj, peak = ilp.evaluate(pinned, free.choice)
     if np.isfinite(obj) and peak <= pinned.memory_budget:
         return ilp.Solution(free.choice, obj, peak, free.optimal, free.solver)
@@ -137,7 +138,7 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
                                        ilp.Solution(choice, obj, peak, False, "pinned")))
                 continue
             try:
-                candidates.append((f"{name}-seeded", _seeded(pinned, inp.time_limit_s)))
+                candidates.append((f"{name}-seeded", _seeded(pinned, inp.solver)))
             except (ilp.InfeasibleMemory, ilp.SearchTimeout):
                 continue
     cut_short = timeout is not None or bool(skipped) or (
@@ -146,7 +147,7 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
     if not candidates:
         # the time limit the caller gave (the free solve's own deadline is a share of it)
         raise ilp.SearchTimeout(
-            deadline.limit_s if deadline else inp.time_limit_s,
+            deadline.limit_s if deadline else inp.solver.time_limit,
             "neither the ILP nor an expert plan's inputs gave a plan that fits in it") from timeout
     best_name, best = min(candidates, key=lambda c: c[1].objective)
     if len(candidates) > 1:

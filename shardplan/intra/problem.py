@@ -437,8 +437,7 @@ class Problem(ReshardPrices):
             memory = self.memory()
             base, rows, copies, row_copies = memory.solver_terms(self.index)
             budget += memory.on_chip_allowance  # the rows count what the chip holds on chip
-        return ilp.SolverInput(node_costs, edge_list, rows, budget, self.options.time_limit_s,
-                               self.options.seed, self.options.workers,
+        return ilp.SolverInput(node_costs, edge_list, rows, budget, self.options.solver,
                                hint=(0,) * len(self.reps) + (1,) * len(hub_costs)
                                + (0,) * len(loss_costs),
                                memory_base=base,

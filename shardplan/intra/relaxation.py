@@ -19,12 +19,15 @@ the LP is solved at once (solve_at_once)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 from scipy import optimize, sparse
+
+from shardplan.intra.settings import SolverSettings
 
 try:  # scipy's binding of HiGHS (1.15+), private: solve_at_once where it is missing
     from scipy.optimize._highspy import _core as _highs
@@ -48,27 +51,31 @@ class Relaxation(NamedTuple):
     reduced: np.ndarray | None = None
 
 
-def solve_at_once(obj, lb, ub, matrix, rlo, rhi, time_limit: float,
-                  presolve: bool) -> Relaxation:
-    """The LP through scipy's linprog (rows equalities or upper bounds)."""
+def solve_at_once(obj, lb, ub, matrix, rlo, rhi, settings: SolverSettings,
+                  remaining: float = math.inf, *, presolve: bool) -> Relaxation:
+    """The LP through scipy's linprog (rows equalities or upper bounds), stopped as `settings`
+    say (`remaining`: seconds left of the search's deadline)."""
     eq = rlo == rhi
+    limit = ({"maxiter": settings.simplex_iterations()} if settings.deterministic
+             else {"time_limit": settings.wall_s(remaining)})
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
         lp = optimize.linprog(
             obj, A_ub=matrix[~eq], b_ub=rhi[~eq], A_eq=matrix[eq], b_eq=rhi[eq],
             bounds=np.stack([lb, ub], axis=1), method="highs",
-            options={"time_limit": max(0.01, time_limit), "disp": False, "presolve": presolve})
+            options={**limit, "disp": False, "presolve": presolve})
     if lp.status != 0:
         return Relaxation(2 if lp.status == 2 else 1)
     return Relaxation(0, lp.x, float(lp.fun), lp.lower.marginals + lp.upper.marginals)
 
 
-def solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy: np.ndarray,
-                 time_left: Callable[[], float]) -> Relaxation:
+def solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy: np.ndarray, settings: SolverSettings,
+                 remaining: Callable[[], float] = lambda: math.inf) -> Relaxation:
     """The LP with the rows in `lazy` (a mask of upper bounds) added as its solutions break
-    them (the module's docstring); `time_left()`: seconds HiGHS may still run."""
+    them (the module's docstring), stopped as `settings` say over all its runs; `remaining()`:
+    seconds left of the search's deadline."""
     if _highs is None or not lazy.any():
-        return solve_at_once(obj, lb, ub, matrix, rlo, rhi, time_left(), presolve=True)
+        return solve_at_once(obj, lb, ub, matrix, rlo, rhi, settings, remaining(), presolve=True)
     matrix = sparse.csr_matrix(matrix)
     first = np.flatnonzero(~lazy)
     cols = matrix[first].tocsc()
@@ -88,10 +95,16 @@ def solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy: np.ndarray,
     h.passModel(lp)
     waiting = np.flatnonzero(lazy)
     slack = ROW_TOLERANCE * np.maximum(1.0, np.abs(rhi[waiting]))
+    iterations = 0  # simplex iterations of the runs so far (HiGHS counts and limits each run)
     while True:
-        # HiGHS's time limit is on its run time over every run of the model so far
-        h.setOptionValue("time_limit", h.getRunTime() + max(0.01, time_left()))
+        if settings.deterministic:
+            h.setOptionValue("simplex_iteration_limit",
+                             max(0, settings.simplex_iterations() - iterations))
+        else:
+            # HiGHS's time limit is on its run time over every run of the model so far
+            h.setOptionValue("time_limit", h.getRunTime() + settings.wall_s(remaining()))
         h.run()
+        iterations += h.getInfo().simplex_iteration_count
         status = h.getModelStatus()
         if status == _highs.HighsModelStatus.kInfeasible:
             return Relaxation(2)

@@ -5,18 +5,58 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from shardplan.options import DEFAULTS
+from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.strategies.spec import ShardSpec
 from shardplan.units import Deadline
+
+# Deterministic work per second of time_limit (SolverSettings.deterministic): HiGHS has no
+# deterministic clock, so its solves are limited by simplex iterations (each LP relaxation)
+# and branch-and-bound nodes (each MIP) at these rates; CP-SAT's own deterministic time is
+# time_limit itself. The zoo's plans at test size are proven well within 30 s of it
+# (tests/test_golden_plans.py).
+SIMPLEX_ITERATIONS_PER_S = 10_000
+MIP_NODES_PER_S = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverSettings:
+    """How each solve of the intra-op ILP is limited and seeded: SearchOptions' solver fields,
+    under their names, in the one value IntraOptions and SolverInput hold."""
+
+    time_limit: float = DEFAULTS.time_limit
+    solver_seed: int = DEFAULTS.solver_seed
+    workers: int = DEFAULTS.workers
+    deterministic: bool = DEFAULTS.deterministic
+
+    @classmethod
+    def of(cls, options: SearchOptions) -> SolverSettings:
+        return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
+
+    def replace(self, **changes) -> SolverSettings:
+        return dataclasses.replace(self, **changes)
+
+    def wall_s(self, remaining: float) -> float:
+        """Seconds of wall clock a solve may take: time_limit and what remains of the
+        search's deadline; unlimited when the solve is limited by its work."""
+        return float("inf") if self.deterministic else max(0.01, min(self.time_limit, remaining))
+
+    def highs_mip(self, remaining: float) -> dict:
+        """scipy.optimize.milp's options that stop a MIP: its branch-and-bound nodes when
+        deterministic, else the wall clock."""
+        if self.deterministic:
+            return {"node_limit": max(1, round(MIP_NODES_PER_S * self.time_limit))}
+        return {"time_limit": self.wall_s(remaining)}
+
+    def simplex_iterations(self) -> int:
+        """Simplex iterations an LP relaxation may take when deterministic."""
+        return max(1, round(SIMPLEX_ITERATIONS_PER_S * self.time_limit))
 
 
 @dataclasses.dataclass(frozen=True)
 class IntraOptions:
     memory_budget: float | None = None
-    # time limit, solver seed and threads: SearchOptions' (shardplan.intra.options builds these)
-    time_limit_s: float = DEFAULTS.time_limit
-    seed: int = DEFAULTS.solver_seed
-    workers: int = DEFAULTS.workers
+    # time limit, solver seed, threads, deterministic limits: SearchOptions' (intra/options.py)
+    solver: SolverSettings = SolverSettings()
     # The memory model counts the step's activations (1 + memory_margin) times: what it does
     # not see of XLA's buffers (intra/memory.py says what it does).
     memory_margin: float = 0.0
@@ -26,7 +66,8 @@ class IntraOptions:
     # Flat input indices whose buffers the step donates (their tied outputs reuse them);
     # None: every state input (as measure and the zoo compile it).
     donated: frozenset[int] | None = None
-    # The wall clock the whole search must end by (units.Deadline); None: time_limit_s alone.
+    # The wall clock the whole search must end by (units.Deadline); None: the solver's
+    # limits alone (always None when solver.deterministic).
     deadline: Deadline | None = None
     max_split_dims: int = 2
     # Fan-out members price a value's resharding once for all its consumers (as XLA runs it)
