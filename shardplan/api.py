@@ -25,7 +25,7 @@ from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions, path_str
 from shardplan.plan import Plan, load_plan
-from shardplan.planning import driver, remat
+from shardplan.planning import accumulation, driver
 from shardplan.planning.job import Job
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
@@ -169,7 +169,8 @@ class AutoStep:
         """Trace, plan (or adopt the given plan) and emit: (plan, the callable that runs it,
         the input shardings of its one jit, or None for a pipeline)."""
         mesh = self.mesh
-        o = self.options.replace(hints=hints_mod.with_boxes(self.options.hints, args))
+        o = self.options.replace(hints=hints_mod.with_boxes(self.options.hints, args,
+                                                            self.options.model_constraints))
         hints_mod.check_mesh_axes(o.hints, mesh.axis_names)
         traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
         fp = fingerprint_mod.of_step(traced, MeshShape.of(mesh))
@@ -200,7 +201,7 @@ class AutoStep:
                 return self._emit_mpmd(plan, pp, fp)
             if plan.pipeline_kind == "spmd":
                 return self._emit_spmd(plan, fp)
-            plan, graph = _adopt(plan, traced, mesh)  # one program, as process 0 chose
+            plan, graph = _adopt(plan, traced, mesh, self.fn, args, o)  # as process 0 chose
         elif self._given_plan is None and o.pipeline is not False:
             # An SPMD pipeline plan is one program's plan: cached like one (an MPMD plan is
             # rebuilt by the pipeline planner, which its JSON cannot stand in for).
@@ -235,10 +236,11 @@ class AutoStep:
                     return self._given_plan
                 return cache_mod.cached(self.plan_cache, step_fp,
                                         lambda: driver.plan_program(job(o1)),
-                                        check=lambda p: _check_cached(p, traced, mesh))
+                                        check=lambda p: _check_cached(p, traced, mesh, self.fn,
+                                                                       args, o1))
 
             plan = distributed.plan_once(step_fp, obtain, broadcast=self._given_plan is None)
-            plan, graph = _adopt(plan, traced, mesh)
+            plan, graph = _adopt(plan, traced, mesh, self.fn, args, o)
         if self._given_plan is None:
             plan = dataclasses.replace(plan, fingerprint=fp)
         jitted, in_shardings, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
@@ -303,11 +305,12 @@ def _check_live(args, name: str) -> None:
                              "batch)")
 
 
-def _adopt(plan: Plan, traced: TracedStep, mesh):
+def _adopt(plan: Plan, traced: TracedStep, mesh, fn, args, options: SearchOptions):
     """The given plan checked against the step it is to run: (the plan on `mesh`, the graph).
     A different function only warns (the user may have edited it in a way that keeps the
     plan valid); different inputs or another mesh raise, as do specs that cannot apply."""
-    graph = lift(remat.traced_for(plan, traced).closed_jaxpr, traced.arg_info)
+    step = accumulation.step_for(plan, traced, fn, args, options)
+    graph = lift(step.closed_jaxpr, step.arg_info)
     again = "plan the step again (shardplan.auto without plan=, or shardplan.search)"
     actual = MeshShape.of(mesh)
     if tuple(plan.mesh.names) != tuple(actual.names) or tuple(plan.mesh.sizes) != tuple(actual.sizes):
@@ -362,11 +365,12 @@ def _adopt(plan: Plan, traced: TracedStep, mesh):
                                device_mesh=mesh), graph
 
 
-def _check_cached(plan: Plan, traced: TracedStep, mesh) -> None:
+def _check_cached(plan: Plan, traced: TracedStep, mesh, fn, args,
+                  options: SearchOptions) -> None:
     """ValueError unless a cached plan applies to the step as a given one must (_adopt), with
     every input and output spec dividing its value: else the cache ignores the entry
     (tests/test_cache_hardening.py)."""
-    _, graph = _adopt(plan, traced, mesh)
+    _, graph = _adopt(plan, traced, mesh, fn, args, options)
     shape = MeshShape.of(mesh)
     for spec, v in zip((*plan.input_specs, *plan.output_specs), (*graph.inputs, *graph.outputs)):
         value = graph.value(v)
@@ -411,7 +415,12 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
         logical_axis_rules for parameters that carry logical axis names; see
         docs/concepts.md#hints), remat ("auto": rematerialize the layers of a scan, the
         backward pass recomputing each from its input, only where no plan of the step as
-        written fits memory_budget; True: always; False: never).
+        written fits memory_budget; True: always; False: never), grad_accumulation ("auto":
+        run the step as M micro-batches, their gradients summed before one update, the
+        fewest that fit, only where no plan of the whole batch fits memory_budget and the
+        loss is a mean over the batch; an int M: always), model_constraints ("hint": the
+        model's own sharding constraints held, priced; "ignore": laid out by the planner),
+        deterministic (solver limits by work, not time: the same plan at any load).
       cache: reuse plans saved on disk by step fingerprint (shardplan.cache): True (the
         directory $SHARDPLAN_CACHE or ~/.cache/shardplan), False, or a directory.
 

@@ -168,14 +168,16 @@ def measured(config: Config, work: Workload, plan, options, phases: Phases):
     """The searched plan (planned without measuring) and the expert plans compiled on CPU
     devices and priced, the cheapest kept (shardplan.planning.select): each candidate
     compiled on two cut-down copies of a deep zoo step and extrapolated (shardplan.planning.depth),
-    in full otherwise. A plan of the rematerialized step is measured by shardplan.search."""
+    in full otherwise. A plan of the rematerialized or accumulated step is measured by
+    shardplan.search."""
     hw = config.profile()
     label = " x ".join(f"{n}={k}" for n, k in zip(plan.mesh.names, plan.mesh.sizes))
-    if plan.remat:
+    if plan.remat or plan.grad_accumulation > 1:
         with phases(f"planning {work.label} on mesh {label} again, compiling candidates"):
             return shardplan.search(work.fn, *work.args, cluster=hw, mesh_shape=plan.mesh.sizes,
                                     axis_names=plan.mesh.names, options=options)
-    options = options.replace(hints=hints_mod.with_boxes(options.hints, work.args))
+    options = options.replace(hints=hints_mod.with_boxes(options.hints, work.args,
+                                                         options.model_constraints))
     job = Job.make(_traced(work), plan.mesh, hw, options)
     traced, graph = job.traced, job.graph
     mesh, _ = targets.compile_mesh(hw, plan.mesh)

@@ -117,10 +117,11 @@ def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
                          f"cluster {cluster!r} {n}: give a mesh of {n} devices, or name the "
                          f"cluster with its size ('{hw.name}-{math.prod(mesh_shape)}')")
     hints_mod.check_mesh_axes(options.hints, names)
-    options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args))
+    options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args,
+                                                         options.model_constraints))
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
     shape = MeshShape(names, mesh_shape)
-    plan = driver.plan_program(Job.make(traced, shape, hw, options))
+    plan = driver.plan_program(Job.make(traced, shape, hw, options, fn=fn, args=abstract_args))
     return dataclasses.replace(plan, fingerprint=fingerprint.of_step(traced, shape))
 
 
