@@ -10,7 +10,6 @@ bytes), and the plan's predicted communication time against the compiled program
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -21,26 +20,25 @@ MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
 
 
 def check(name: str, size: str, mesh_name: str, profile: str):
-    from shardplan import measure
     from shardplan.cost.hardware import get_profile
     from shardplan.ir.trace import trace
     from shardplan.models import get_model
     from shardplan.options import DEFAULTS
+    from shardplan.planning import compiled
+    from shardplan.planning.intra_op import plan_step
     from shardplan.strategies.spec import MeshShape
 
-    search = importlib.import_module("shardplan.search")
     shape, names = MESHES[mesh_name]
     mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
     m = get_model(name, size, abstract=True)
     hw = get_profile(profile)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     options = DEFAULTS.replace(state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
-    plan, graph, intra = search.plan_step(
-        traced, MeshShape.of(mesh), hw, options, device_mesh=mesh,
-        device_order=[d.id for d in mesh.devices.flat], donate_argnums=m.state_argnums)
-    lowered = measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
-    stats, priced = measure.compile_and_price(lowered, mesh, plan.mesh, hw,
-                                              measure.compute_dtype(graph))
+    plan, graph, intra = plan_step(traced, MeshShape.of(mesh), hw, options, device_mesh=mesh,
+                                   donate_argnums=m.state_argnums)
+    lowered = compiled.lower_plan(graph, traced, plan, mesh, m.state_argnums)
+    stats, priced = compiled.compile_and_price(lowered, mesh, plan.mesh, hw,
+                                              compiled.compute_dtype(graph))
     if hw.forms_reduce_scatter:
         stats = stats.formed()
     ops = [op for op in stats.collectives if op.kind in ("all-reduce", "reduce-scatter")]

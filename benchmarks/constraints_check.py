@@ -31,12 +31,12 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import shardplan
     import tests.test_model_constraints as models
-    from shardplan import measure
     from shardplan.cost.hardware import get_profile
     from shardplan.ir import constraints, interpret
     from shardplan.ir.graph import Role
     from shardplan.ir.lift import lift
     from shardplan.ir.trace import trace
+    from shardplan.planning import compiled
     from shardplan.strategies.spec import MeshShape
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,7 +53,7 @@ def main():
     def planned(name, step, step_args, **options):
         auto = shardplan.auto(step, mesh=mesh, **options)
         plan = auto.plan(*step_args)
-        _, priced = measure.compile_and_price(auto.lower(*step_args), mesh, shape, hw, "float32")
+        _, priced = compiled.compile_and_price(auto.lower(*step_args), mesh, shape, hw, "float32")
         est = plan.estimate.comm_bytes
         print(f"{name}: estimate {est / 1e6:.2f} MB, compiled {priced.bytes_sent / 1e6:.2f} MB "
               f"({est / priced.bytes_sent:.3f}), compiled peak {priced.peak_bytes / 1e6:.2f} MB, "
@@ -68,7 +68,7 @@ def main():
         outs = [NamedSharding(mesh, P()) for _ in traced.out_avals]
         fn = jax.jit(lambda *a: interpret.run(graph, a, identity=constraints.is_constraint),
                      in_shardings=ins, out_shardings=outs)
-        _, priced = measure.compile_and_price(fn.lower(*traced.in_avals), mesh, shape, hw,
+        _, priced = compiled.compile_and_price(fn.lower(*traced.in_avals), mesh, shape, hw,
                                               "float32")
         print(f"data parallel: compiled {priced.bytes_sent / 1e6:.2f} MB, compiled peak "
               f"{priced.peak_bytes / 1e6:.2f} MB, priced {priced.total_s * 1e3:.2f} ms")

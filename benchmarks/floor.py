@@ -34,30 +34,31 @@ ZOO = ("gpt:gpt2-124m", "gpt:gpt2-355m", "bert:base", "bert:large", "vit:b16", "
 
 
 def priced(compiled, mesh, hw, dtype):
-    from shardplan import measure
     from shardplan.analysis import hlo, targets
     from shardplan.analysis.price import price
+    from shardplan.planning import compiled as compiled_mod
     from shardplan.strategies.spec import MeshShape
 
     stats = targets.on_target(hlo.analyze(compiled), mesh, hw, 1.0)
-    return price(stats, MeshShape.of(mesh), measure.device_grid(mesh), hw, dtype)
+    return price(stats, MeshShape.of(mesh), compiled_mod.device_grid(mesh), hw, dtype)
 
 
 def single_device(fn, args, state_argnums, hw, dtype):
     """The step compiled for one device and priced by the profile."""
-    from shardplan import measure
+    from shardplan.planning import compiled as compiled_mod
 
     one = jax.make_mesh((1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,),
                         devices=jax.devices()[:1])
-    compiled = measure.compile_for_analysis(jax.jit(fn, donate_argnums=state_argnums)
+    compiled = compiled_mod.compile_for_analysis(jax.jit(fn, donate_argnums=state_argnums)
                                             .lower(*args))
     return priced(compiled, one, hw, dtype)
 
 
 def floor_and_dp(name: str, size: str, mesh_name: str, profile: str):
-    from shardplan import baselines, measure
+    from shardplan import baselines
     from shardplan.cost.hardware import get_profile
     from shardplan.models import get_model
+    from shardplan.planning import compiled as compiled_mod
 
     hw = get_profile(profile)
     m = get_model(name, size, abstract=True)
@@ -70,7 +71,7 @@ def floor_and_dp(name: str, size: str, mesh_name: str, profile: str):
     ins, outs = baselines.baseline_shardings("data_parallel", m, mesh)
     lowered = jax.jit(m.fn, in_shardings=ins, out_shardings=outs,
                       donate_argnums=m.state_argnums).lower(*m.args)
-    dp = priced(measure.compile_for_analysis(lowered), mesh, hw, dtype)
+    dp = priced(compiled_mod.compile_for_analysis(lowered), mesh, hw, dtype)
     return whole.compute_s / n, dp
 
 

@@ -5,7 +5,7 @@ planner reports it), data parallel's compiled peak, and three budgets between th
 budget is planned (`shardplan.auto(..., memory_budget=b)`), compiled, and the compiled peak
 (`memory_analysis()`: argument + output + temp - alias per device) set against the plan's
 estimate (to be within TOLERANCE) and the budget. Under a budget on devices the planner
-compiles its plan to check it (shardplan.fit): the estimate is then the compiled program's, and
+compiles its plan to check it (shardplan.planning.select): the estimate is then the compiled program's, and
 `compiled/model` sets the compiled peak against the memory model's own estimate. To see where the memory model and XLA
 differ, compile with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text" and read XLA's live
 set with benchmarks/xla_live.py DIR (from the buffers' intervals: the dump's own "Live ranges at
@@ -47,28 +47,30 @@ def _auto(step, mesh, budget, measure=False, time_limit=30.0):
 
 
 def compiled_peak(auto_step, args) -> int:
-    from shardplan import measure
     from shardplan.analysis import hlo
+    from shardplan.planning import compiled
 
-    return hlo.analyze(measure.compile_for_analysis(auto_step.lower(*args))).peak_bytes
+    return hlo.analyze(compiled.compile_for_analysis(auto_step.lower(*args))).peak_bytes
 
 
 def data_parallel_peak(step, mesh) -> int:
     """The compiled peak of the data-parallel expert plan (state replicated, batch split)."""
-    from shardplan import measure
     from shardplan.analysis import hlo
     from shardplan.cost.hardware import get_profile
     from shardplan.ir.trace import trace
     from shardplan.options import DEFAULTS
-    from shardplan.search import plan_step
+    from shardplan.planning import compiled
+    from shardplan.planning.expert_plans import expert_plans
+    from shardplan.planning.intra_op import plan_graph
+    from shardplan.planning.job import Job
     from shardplan.strategies.spec import MeshShape
 
     traced = trace(step.fn, step.args, step.state_argnums, step.batch_argnums)
-    plan, graph, _ = plan_step(traced, MeshShape.of(mesh), get_profile("cpu"), DEFAULTS,
-                               device_mesh=mesh)
-    dp = measure.expert_plans(graph, plan)["data_parallel"]
-    lowered = measure.lower_plan(graph, traced, dp, mesh, step.state_argnums)
-    return hlo.analyze(measure.compile_for_analysis(lowered)).peak_bytes
+    job = Job.make(traced, MeshShape.of(mesh), get_profile("cpu"), DEFAULTS, device_mesh=mesh)
+    graph, plan = job.graph, plan_graph(job)[0]
+    dp = expert_plans(job, plan, complete=False)["data_parallel"]
+    lowered = compiled.lower_plan(graph, traced, dp, mesh, step.state_argnums)
+    return hlo.analyze(compiled.compile_for_analysis(lowered)).peak_bytes
 
 
 def reported_minimum(step, mesh) -> float:

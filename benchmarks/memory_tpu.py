@@ -53,13 +53,15 @@ CASES = {
 
 def run_case(name, model, size, overrides, experts, top, mesh_shape=(2, 4), verbose=False,
              cache=None):
-    from shardplan import measure
     from shardplan.analysis import targets
     from shardplan.cost.hardware import get_profile
     from shardplan.ir.trace import trace
     from shardplan.models import get_model
     from shardplan.options import DEFAULTS
-    from shardplan.search import plan_step
+    from shardplan.planning import compiled
+    from shardplan.planning.expert_plans import expert_plans
+    from shardplan.planning.intra_op import plan_step
+    from shardplan.planning.job import Job
     from shardplan.strategies.spec import MeshShape
 
     hw = get_profile("tpu-v5e")
@@ -84,8 +86,8 @@ def run_case(name, model, size, overrides, experts, top, mesh_shape=(2, 4), verb
         estimate_mod.peak_bytes = own
     plans = {"searched": plan}
     if experts:
-        complete = measure.completer(graph, traced, ms, hw, DEFAULTS, 60.0, device_mesh=mesh)
-        for k, p in measure.expert_plans(graph, plan, complete=complete).items():
+        job = Job.make(traced, ms, hw, DEFAULTS, device_mesh=mesh)
+        for k, p in expert_plans(job, plan, deadline=60.0).items():
             if experts == "all" or k in experts.split(","):
                 plans[k] = p
     rows = []
@@ -95,7 +97,7 @@ def run_case(name, model, size, overrides, experts, top, mesh_shape=(2, 4), verb
         if cache is not None and key in cache:
             got = cache[key]
         else:
-            lowered = measure.lower_plan(graph, traced, p, mesh, m.state_argnums)
+            lowered = compiled.lower_plan(graph, traced, p, mesh, m.state_argnums)
             mem = lowered.compile().memory_analysis()
             if verbose:
                 print(f"  {mem}")

@@ -49,9 +49,9 @@ MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model")),
 
 def check(name: str, size: str, mesh_name: str, profile: str, batch: int | None):
     import shardplan
-    from shardplan import measure
     from shardplan.cost.hardware import get_profile
     from shardplan.models import get_model
+    from shardplan.planning import compiled
 
     shape, names = MESHES[mesh_name]
     mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
@@ -61,7 +61,7 @@ def check(name: str, size: str, mesh_name: str, profile: str, batch: int | None)
                           batch_argnums=m.batch_argnums, donate_argnums=m.state_argnums)
     plan = step.plan(*m.args)
     hw = get_profile(profile)
-    _, priced = measure.compile_and_price(step.lower(*m.args), mesh, plan.mesh, hw,
+    _, priced = compiled.compile_and_price(step.lower(*m.args), mesh, plan.mesh, hw,
                                           "float32" if m.config.dtype == "float32" else "bfloat16")
     e = plan.estimate
     return (e.comm_bytes, priced.bytes_sent, e.compute_s, priced.compute_s, e.comm_s,

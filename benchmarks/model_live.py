@@ -53,9 +53,10 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(__file__))
     import memory_check
 
-    from shardplan import measure, models
+    from shardplan import models
     from shardplan.analysis import hlo
     from shardplan.intra import estimate
+    from shardplan.planning import compiled as compiled_mod
 
     seen = []  # (problem, chosen) of every plan the memory model evaluated: the last is kept
     evaluate = estimate.peak_bytes
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
         warnings.simplefilter("ignore")
         lowered = auto_step.lower(*step.args)
     compiled = lowered.compile(compiler_options={
-        **measure.FAST_COMPILE, "xla_dump_to": args.dump_dir, "xla_dump_hlo_as_text": True})
+        **compiled_mod.FAST_COMPILE, "xla_dump_to": args.dump_dir, "xla_dump_hlo_as_text": True})
     peak = hlo.analyze(compiled).peak_bytes
     model_peak = (plan.model_estimate or plan.estimate).peak_bytes
     print(f"compiled {peak} bytes, model {model_peak:.0f} (compiled/model "

@@ -19,7 +19,7 @@ priced:
 The model is the zoo's GPT with a shardplan.stage_boundary after every block but the last,
 so the layers are the blocks (the embedding rides with the first, the head with the last).
 Pure intra-op is shown two ways: the full-step ILP on the whole mesh
-(shardplan.search.plan_step, what shardplan.search.choose compares with; minutes on
+(shardplan.planning.intra_op.plan_graph, what shardplan.planning.pipelines.choose compares with; minutes on
 8x8, skip it with --no-full-ilp), and costed like the stages (the sum of the layers' ILPs on
 the whole mesh, the whole batch at once).
 """
@@ -39,7 +39,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from shardplan import measure
 from shardplan.analysis import targets
 from shardplan.cost.hardware import get_profile
 from shardplan.grad import stage_boundary, value_and_grad
@@ -52,7 +51,9 @@ from shardplan.ir.trace import trace
 from shardplan.models import base, get_config, layers
 from shardplan.models import gpt as gpt_mod
 from shardplan.options import SearchOptions
-from shardplan.search import choose, plan_step
+from shardplan.planning import compiled as compiled_mod
+from shardplan.planning.intra_op import plan_step
+from shardplan.planning.pipelines import choose
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import fmt_seconds
 
@@ -216,8 +217,8 @@ def run_spmd(size: str, batch: int, micro: int | None, dtype: str, which, compil
         row = {"cluster": name, "intra": intra.estimate.total_s,
                "intra_s": time.perf_counter() - t0, "spmd": {}}
         if compiled:
-            dt = measure.compute_dtype(graph)
-            row["intra_priced"] = measure.measure(graph, traced, intra, cpu, hw, "intra",
+            dt = compiled_mod.compute_dtype(graph)
+            row["intra_priced"] = compiled_mod.measure(graph, traced, intra, cpu, hw, "intra",
                                                   traced.state_argnums, dt).priced
         for S, sched in [(S, x) for x in schedules for S in (2, 4, 8)]:
             o = SearchOptions(pipeline="spmd", num_stages=S, num_micro_batches=micro,
@@ -233,7 +234,7 @@ def run_spmd(size: str, batch: int, micro: int | None, dtype: str, which, compil
                  "bubble": c.plan.estimate.bubble_fraction, "plan_s": time.perf_counter() - t0,
                  "note": c.plan.notes[-1]}
             if compiled:
-                _, priced = measure.price_spmd(step, args, c.plan, cpu, hw, dt,
+                _, priced = compiled_mod.price_spmd(step, args, c.plan, cpu, hw, dt,
                                                traced.state_argnums)
                 r["priced"] = priced
             row["spmd"][(sched, S)] = r

@@ -1,5 +1,5 @@
-"""auto() and search(), the public entry points: trace -> plan (shardplan.search, measured by
-shardplan.measure) -> emit, and the plan cache."""
+"""auto() and search(), the public entry points: trace -> plan (the driver, shardplan.planning)
+-> emit, and the plan cache."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan import _compat, distributed, fit, gcpause, measure, remat_search
+from shardplan import _compat, distributed, gcpause
 from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
@@ -25,6 +25,8 @@ from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions, path_str
 from shardplan.plan import Plan, load_plan
+from shardplan.planning import accumulation, driver
+from shardplan.planning.job import Job
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
 from shardplan.strategies.spec import MeshShape
@@ -125,7 +127,6 @@ class AutoStep:
         self.donate_argnums = tuple(donate_argnums)
         self.plan_cache = cache
         self._given_plan = plan
-        self.plan_cache = cache
         # signature -> (plan, the callable that runs it, its input shardings or None)
         self._cache: dict[tuple, tuple[Plan, Any, Any]] = {}
 
@@ -168,12 +169,18 @@ class AutoStep:
         """Trace, plan (or adopt the given plan) and emit: (plan, the callable that runs it,
         the input shardings of its one jit, or None for a pipeline)."""
         mesh = self.mesh
-        o = self.options.replace(hints=hints_mod.with_boxes(self.options.hints, args))
+        o = self.options.replace(hints=hints_mod.with_boxes(self.options.hints, args,
+                                                            self.options.model_constraints))
         hints_mod.check_mesh_axes(o.hints, mesh.axis_names)
         traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
         fp = fingerprint_mod.of_step(traced, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
         multi = distributed.is_multi_controller()
+
+        def job(options: SearchOptions) -> Job:
+            return Job.make(traced, MeshShape.of(mesh), hw, options, device_mesh=mesh,
+                            donate_argnums=self.donate_argnums, fn=self.fn, args=args)
+
         if o.remat is True and o.pipeline is not False and self._given_plan is None:
             raise ValueError(f"remat=True rematerializes the layers of one program; pipeline="
                              f"{o.pipeline!r} plans as written: pass pipeline=False")
@@ -182,8 +189,7 @@ class AutoStep:
                 # Process 0 chooses (one program, SPMD or MPMD pipeline) and broadcasts the
                 # plan; every process checks it (its fingerprint covers the pipeline kind).
                 plan, pp = distributed.plan_auto_once(
-                    traced, mesh, hw, o, lambda: measure.choose_measured(
-                        self.fn, args, mesh, hw, o, traced, self.donate_argnums),
+                    traced, mesh, hw, o, lambda: driver.choose_program(job(o)),
                     cache_mod.PlanCache.of(self.plan_cache), donate_argnums=self.donate_argnums)
             else:
                 # The SPMD pipeline (process 0 plans it) where it applies, else the MPMD one
@@ -195,7 +201,7 @@ class AutoStep:
                 return self._emit_mpmd(plan, pp, fp)
             if plan.pipeline_kind == "spmd":
                 return self._emit_spmd(plan, fp)
-            plan, graph = _adopt(plan, traced, mesh)  # one program, as process 0 chose
+            plan, graph = _adopt(plan, traced, mesh, self.fn, args, o)  # as process 0 chose
         elif self._given_plan is None and o.pipeline is not False:
             # An SPMD pipeline plan is one program's plan: cached like one (an MPMD plan is
             # rebuilt by the pipeline planner, which its JSON cannot stand in for).
@@ -210,8 +216,7 @@ class AutoStep:
                 except Exception as e:  # noqa: BLE001  a bad entry is ignored; a planned one raises below
                     cache.discard(pipe_fp, f"its plan does not apply to this step "
                                            f"({type(e).__name__}: {str(e)[:200]})")
-            choice = measure.choose_measured(self.fn, args, mesh, hw, o, traced,
-                                             self.donate_argnums)
+            choice = driver.choose_program(job(o))
             if choice.pipelined and choice.plan.pipeline_kind == "spmd":
                 if cache is not None:
                     cache.store(pipe_fp, dataclasses.replace(choice.plan, device_mesh=None))
@@ -229,15 +234,13 @@ class AutoStep:
             def obtain():
                 if self._given_plan is not None:
                     return self._given_plan
-                return cache_mod.cached(self.plan_cache, step_fp, lambda: remat_search.plan(
-                    traced, o1, lambda t, o: fit.plan_checked(
-                        t, MeshShape.of(mesh), hw, o, device_mesh=mesh,
-                        device_order=[d.id for d in mesh.devices.flat],
-                        donate_argnums=self.donate_argnums)),
-                    check=lambda p: _check_cached(p, traced, mesh))
+                return cache_mod.cached(self.plan_cache, step_fp,
+                                        lambda: driver.plan_program(job(o1)),
+                                        check=lambda p: _check_cached(p, traced, mesh, self.fn,
+                                                                       args, o1))
 
             plan = distributed.plan_once(step_fp, obtain, broadcast=self._given_plan is None)
-            plan, graph = _adopt(plan, traced, mesh)
+            plan, graph = _adopt(plan, traced, mesh, self.fn, args, o)
         if self._given_plan is None:
             plan = dataclasses.replace(plan, fingerprint=fp)
         jitted, in_shardings, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
@@ -302,11 +305,12 @@ def _check_live(args, name: str) -> None:
                              "batch)")
 
 
-def _adopt(plan: Plan, traced: TracedStep, mesh):
+def _adopt(plan: Plan, traced: TracedStep, mesh, fn, args, options: SearchOptions):
     """The given plan checked against the step it is to run: (the plan on `mesh`, the graph).
     A different function only warns (the user may have edited it in a way that keeps the
     plan valid); different inputs or another mesh raise, as do specs that cannot apply."""
-    graph = lift(remat_search.traced_for(plan, traced).closed_jaxpr, traced.arg_info)
+    step = accumulation.step_for(plan, traced, fn, args, options)
+    graph = lift(step.closed_jaxpr, step.arg_info)
     again = "plan the step again (shardplan.auto without plan=, or shardplan.search)"
     actual = MeshShape.of(mesh)
     if tuple(plan.mesh.names) != tuple(actual.names) or tuple(plan.mesh.sizes) != tuple(actual.sizes):
@@ -361,11 +365,12 @@ def _adopt(plan: Plan, traced: TracedStep, mesh):
                                device_mesh=mesh), graph
 
 
-def _check_cached(plan: Plan, traced: TracedStep, mesh) -> None:
+def _check_cached(plan: Plan, traced: TracedStep, mesh, fn, args,
+                  options: SearchOptions) -> None:
     """ValueError unless a cached plan applies to the step as a given one must (_adopt), with
     every input and output spec dividing its value: else the cache ignores the entry
     (tests/test_cache_hardening.py)."""
-    _, graph = _adopt(plan, traced, mesh)
+    _, graph = _adopt(plan, traced, mesh, fn, args, options)
     shape = MeshShape.of(mesh)
     for spec, v in zip((*plan.input_specs, *plan.output_specs), (*graph.inputs, *graph.outputs)):
         value = graph.value(v)
@@ -410,7 +415,12 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
         logical_axis_rules for parameters that carry logical axis names; see
         docs/concepts.md#hints), remat ("auto": rematerialize the layers of a scan, the
         backward pass recomputing each from its input, only where no plan of the step as
-        written fits memory_budget; True: always; False: never).
+        written fits memory_budget; True: always; False: never), grad_accumulation ("auto":
+        run the step as M micro-batches, their gradients summed before one update, the
+        fewest that fit, only where no plan of the whole batch fits memory_budget and the
+        loss is a mean over the batch; an int M: always), model_constraints ("hint": the
+        model's own sharding constraints held, priced; "ignore": laid out by the planner),
+        deterministic (solver limits by work, not time: the same plan at any load).
       cache: reuse plans saved on disk by step fingerprint (shardplan.cache): True (the
         directory $SHARDPLAN_CACHE or ~/.cache/shardplan), False, or a directory.
 

@@ -18,6 +18,7 @@ from shardplan.intra import experts
 from shardplan.intra.experts import MEGATRON_RULES, SplitRule
 from shardplan.ir.graph import Role
 from shardplan.models.base import TrainStep
+from shardplan.options import path_str
 from shardplan.strategies.spec import MeshShape
 
 __all__ = ["BASELINES", "MEGATRON_RULES", "SplitRule", "applicable_baselines", "as_auto_mesh",
@@ -28,19 +29,6 @@ __all__ = ["BASELINES", "MEGATRON_RULES", "SplitRule", "applicable_baselines", "
 def as_auto_mesh(mesh) -> jax.sharding.Mesh:
     """The same devices and axis names with every axis of type Auto (make_mesh gives Explicit)."""
     return _compat.auto_mesh(mesh)
-
-
-def path_str(path) -> str:
-    """A pytree key path as 'a/b/0/c' (dict keys, attribute names and indices)."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
 
 
 def _leaves(step: TrainStep):

@@ -14,16 +14,18 @@ import jax
 
 import shardplan
 from shardplan import baselines as bl
-from shardplan import depth, fingerprint, report
+from shardplan import fingerprint, report
 from shardplan import hints as hints_mod
 from shardplan.analysis import targets
 from shardplan.cli_render import Phases
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError
 from shardplan.ir.lift import LiftOptions, lift
 from shardplan.ir.trace import trace
-from shardplan.measure import compile_and_price as price_program
-from shardplan.measure import completer, expert_plans, select_measured
-from shardplan.units import Deadline, fmt_bytes
+from shardplan.planning import depth, select
+from shardplan.planning.compiled import compile_and_price as price_program
+from shardplan.planning.expert_plans import expert_plans
+from shardplan.planning.job import Job
+from shardplan.units import fmt_bytes
 from shardplan.workload import Workload, build_workload
 
 
@@ -136,7 +138,7 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
 
 def shallow_copies(config: Config, work: Workload, period: int = 1) -> depth.Shallow | None:
     """The config's zoo step rebuilt with fewer layers (at depth.cut_depths of its layers'
-    `period`), traced and lifted (shardplan.depth), where it has `num_layers` and at least
+    `period`), traced and lifted (shardplan.planning.depth), where it has `num_layers` and at least
     depth.MIN_LAYERS of them."""
     layers = _layers(config, work)
     if layers is None:
@@ -147,9 +149,10 @@ def shallow_copies(config: Config, work: Workload, period: int = 1) -> depth.Sha
         model = config.model.model_copy(
             update={"overrides": {**config.model.overrides, "num_layers": k}})
         cut = build_workload(config.model_copy(update={"model": model}))
-        t, g = _traced(cut, config.search_options())
+        t = _traced(cut)
         traced.append(t)
-        graphs.append(g)
+        graphs.append(lift(t.closed_jaxpr, t.arg_info,
+                           LiftOptions(while_trips=config.search_options().while_trips)))
     return depth.Shallow(layers, first, tuple(traced), tuple(graphs), period)
 
 
@@ -163,18 +166,20 @@ def _layers(config: Config, work: Workload) -> int | None:
 
 def measured(config: Config, work: Workload, plan, options, phases: Phases):
     """The searched plan (planned without measuring) and the expert plans compiled on CPU
-    devices and priced, the cheapest kept (shardplan.measure.select_measured): each candidate
-    compiled on two cut-down copies of a deep zoo step and extrapolated (shardplan.depth),
-    in full otherwise. A plan of the rematerialized step is measured by shardplan.search."""
+    devices and priced, the cheapest kept (shardplan.planning.select): each candidate
+    compiled on two cut-down copies of a deep zoo step and extrapolated (shardplan.planning.depth),
+    in full otherwise. A plan of the rematerialized or accumulated step is measured by
+    shardplan.search."""
     hw = config.profile()
     label = " x ".join(f"{n}={k}" for n, k in zip(plan.mesh.names, plan.mesh.sizes))
-    if plan.remat:
+    if plan.remat or plan.grad_accumulation > 1:
         with phases(f"planning {work.label} on mesh {label} again, compiling candidates"):
             return shardplan.search(work.fn, *work.args, cluster=hw, mesh_shape=plan.mesh.sizes,
                                     axis_names=plan.mesh.names, options=options)
-    start = time.perf_counter()
-    options = options.replace(hints=hints_mod.with_boxes(options.hints, work.args))
-    traced, graph = _traced(work, options)
+    options = options.replace(hints=hints_mod.with_boxes(options.hints, work.args,
+                                                         options.model_constraints))
+    job = Job.make(_traced(work), plan.mesh, hw, options)
+    traced, graph = job.traced, job.graph
     mesh, _ = targets.compile_mesh(hw, plan.mesh)
     shallow, repeats = None, depth.layer_period(graph)
     if _layers(config, work) is not None and repeats is not None:
@@ -183,18 +188,15 @@ def measured(config: Config, work: Workload, plan, options, phases: Phases):
             shallow = shallow_copies(config, work, repeats[1])
     compile_one = depth.compiler(graph, traced, shallow, mesh, hw, traced.state_argnums)
     with phases(f"compiling and pricing the candidates on mesh {label}"):
-        kept = select_measured(traced, graph, plan, plan.mesh, hw, options,
-                               deadline=Deadline(options.time_limit), start=start,
-                               compile_one=compile_one, completion_s=options.time_limit)
+        kept = select.select(job, plan, compile_one=compile_one,
+                             completion_s=options.time_limit)
     return dataclasses.replace(kept, search_s=plan.search_s + kept.search_s,
                                fingerprint=fingerprint.of_step(traced, plan.mesh))
 
 
-def _traced(work: Workload, options):
-    """The workload's step traced and lifted as shardplan.search lifts it."""
-    traced = trace(work.fn, work.args, work.state_argnums, work.batch_argnums)
-    graph = lift(traced.closed_jaxpr, traced.arg_info, LiftOptions(while_trips=options.while_trips))
-    return traced, graph
+def _traced(work: Workload):
+    """The workload's step traced."""
+    return trace(work.fn, work.args, work.state_argnums, work.batch_argnums)
 
 
 # -- compile and price ----------------------------------------------------------------------
@@ -204,7 +206,7 @@ def _compile_plan(work: Workload, plan, mesh, hw, phases: Phases, notes: list[st
                   need_stats: bool = False):
     """The plan's program compiled and priced: (stats, priced), or (None, None) for a pipeline
     plan, which is not one program. The measured search's price is reused (stats None where it
-    was extrapolated from shallow copies, shardplan.depth), unless `need_stats`."""
+    was extrapolated from shallow copies, shardplan.planning.depth), unless `need_stats`."""
     n = plan.mesh.num_devices
     mine = fingerprint.plan_fingerprint(plan)
     for c in plan.candidates:  # the measured search compiled it already
@@ -229,10 +231,10 @@ def _compile_plan(work: Workload, plan, mesh, hw, phases: Phases, notes: list[st
 def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: Phases,
                        notes: list[str]) -> dict[str, Any]:
     """{expert plan: its program priced, or why not}: data parallel, FSDP, Megatron / 2-D as
-    an expert writes them (shardplan.measure.expert_plans: the expert's input shardings, every
+    an expert writes them (shardplan.planning.expert_plans: the expert's input shardings, every
     intermediate laid out by the ILP around them). The measured search compiled them already
     (plan.candidates): those are reused; the others are written and compiled here (on shallow
-    copies of a deep zoo step where it applies: shardplan.depth)."""
+    copies of a deep zoo step where it applies: shardplan.planning.depth)."""
     measured = {c.name: c for c in plan.candidates}
     wanted = config.output.baselines
     if wanted is None:
@@ -242,10 +244,9 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
     missing = [n for n in (wanted or ()) if n not in measured]
     if wanted is None or missing:
         options = dataclasses.replace(config.search_options(), measure=False)
-        traced, graph = _traced(work, options)
-        complete = completer(graph, traced, plan.mesh, hw, options, options.time_limit,
-                             device_mesh=mesh)
-        written = expert_plans(graph, plan, complete=complete)
+        job = Job.make(_traced(work), plan.mesh, hw, options)
+        traced, graph = job.traced, job.graph
+        written = expert_plans(job, plan, deadline=options.time_limit)
         repeats = depth.layer_period(graph)
         shallow = shallow_copies(config, work, repeats[1]) if repeats else None
         compile_one = depth.compiler(graph, traced, shallow, mesh, hw, traced.state_argnums)

@@ -11,16 +11,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shardplan import fingerprint, fit, gcpause, measure, remat_search
+from shardplan import fingerprint, gcpause
 from shardplan import hints as hints_mod
-from shardplan.analysis import targets
 from shardplan.api import _check_fn, _options
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
 from shardplan.ir.trace import trace
 from shardplan.options import SearchOptions
 from shardplan.plan import Plan
-from shardplan.search import mesh_shapes
+from shardplan.planning import driver
+from shardplan.planning.job import Job, default_axis_names, mesh_shapes
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import fmt_bytes, fmt_seconds
 
@@ -59,7 +59,7 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
     (`plan.candidates` then hold each program's peak per chip and collectives), else by XLA on
     CPU devices standing in for it (JAX must run as many CPU devices as the mesh has). On a
     TPU cluster the TPU compiler also checks a plan said to fit `memory_budget`
-    (shardplan.fit), as `auto` does on devices.
+    (shardplan.planning.select), as `auto` does on devices.
     """
     _check_fn(fn, "shardplan.search")
     with gcpause.paused():
@@ -104,8 +104,7 @@ def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
             isinstance(a, str) for a in axis_names) or len(set(axis_names)) != len(axis_names)):
         raise ValueError(f"axis_names must be a tuple of distinct strings such as ('data', "
                          f"'model'), got {axis_names!r:.60}")
-    names = tuple(axis_names) if axis_names else (("devices",) if len(mesh_shape) == 1 else
-                                                  tuple(f"axis{i}" for i in range(len(mesh_shape))))
+    names = tuple(axis_names) if axis_names else default_axis_names(len(mesh_shape))
     if len(names) != len(mesh_shape):
         raise ValueError(f"axis_names {names} and mesh_shape {mesh_shape} differ in length")
     if num_devices is not None and num_devices != math.prod(mesh_shape):
@@ -118,16 +117,11 @@ def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
                          f"cluster {cluster!r} {n}: give a mesh of {n} devices, or name the "
                          f"cluster with its size ('{hw.name}-{math.prod(mesh_shape)}')")
     hints_mod.check_mesh_axes(options.hints, names)
-    options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args))
+    options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args,
+                                                         options.model_constraints))
     traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
     shape = MeshShape(names, mesh_shape)
-    if hw.backend == "tpu" and not targets.why_not_tpu(hw):
-        def planner(t, o):
-            return fit.plan_checked(t, shape, hw, o, device_mesh=None)
-    else:
-        def planner(t, o):
-            return measure.plan_measured(t, shape, hw, o)[0]
-    plan = remat_search.plan(traced, options, planner)
+    plan = driver.plan_program(Job.make(traced, shape, hw, options, fn=fn, args=abstract_args))
     return dataclasses.replace(plan, fingerprint=fingerprint.of_step(traced, shape))
 
 

@@ -20,7 +20,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -29,7 +29,7 @@ from shardplan import files, models
 from shardplan.cluster import check_auto_devices
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.options import DEFAULTS, Hints, SearchOptions
-from shardplan.search import mesh_shapes
+from shardplan.planning.job import mesh_shapes
 from shardplan.units import parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -179,6 +179,13 @@ class SearchSection(_Section):
     """Rematerialize the layers of a scan (the backward pass recomputes each from its input):
     auto (only where no plan of the step as written fits the memory budget), true, false; see
     shardplan.SearchOptions.remat."""
+    grad_accumulation: Annotated[int, Field(ge=1)] | Literal["auto"] = DEFAULTS.grad_accumulation
+    """Run the step as this many micro-batches, their gradients summed before one update: auto
+    (only where no plan of the whole batch fits the memory budget, the fewest that fit) or a
+    count (1: never); see shardplan.SearchOptions.grad_accumulation."""
+    model_constraints: Literal["hint", "ignore"] = DEFAULTS.model_constraints
+    """The model's own sharding constraints: hint (held, priced) or ignore (laid out by the
+    planner); see shardplan.SearchOptions.model_constraints."""
     measure: bool = True
     """Compile the searched plan and the expert plans with XLA on CPU devices, price each
     with the cluster's profile and keep the cheapest that fits (meshes of at most 64
@@ -263,7 +270,9 @@ class Config(_Section):
         return SearchOptions(memory_budget=self.budget_bytes(), time_limit=s.time_limit,
                              solver_seed=s.solver_seed, workers=s.workers, pipeline=s.pipeline,
                              num_micro_batches=s.num_micro_batches, schedule=s.schedule,
-                             measure=s.measure, hints=s.to_hints(), remat=s.remat)
+                             measure=s.measure, hints=s.to_hints(), remat=s.remat,
+                             grad_accumulation=s.grad_accumulation,
+                             model_constraints=s.model_constraints)
 
 
 def _resolve(hardware: str, source: str | None) -> str:

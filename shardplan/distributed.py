@@ -24,8 +24,8 @@ from shardplan import fingerprint as fp_mod
 from shardplan.ir.graph import Role
 from shardplan.ir.trace import trace
 from shardplan.plan import Plan
-from shardplan.search import Choice, choose, plan_spmd
-from shardplan.spmd_search import probe_spmd
+from shardplan.planning.pipelines import Choice, choose, plan_spmd
+from shardplan.planning.spmd_pipeline import probe_spmd
 
 
 class PlanMismatchError(RuntimeError):

@@ -26,7 +26,7 @@ import jaxlib
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
 
 PLAN_KEYS = ("mesh", "inputs", "outputs", "constraints", "operand_specs", "stages",
-             "num_micro_batches", "schedule", "pipeline_kind", "remat")
+             "num_micro_batches", "schedule", "pipeline_kind", "remat", "grad_accumulation")
 """The fields of Plan.to_dict() that decide what runs (not the estimate, timings or notes)."""
 
 
@@ -179,7 +179,8 @@ def plan_fingerprint(plan) -> str:
 def first_difference(a: Mapping, b: Mapping) -> str | None:
     """The first decision two Plan.to_dict()s differ in, named for a person ("input
     '[0][1]': {...} vs {...}"), or None if they decide the same."""
-    for field in ("pipeline_kind", "remat", "mesh", "num_micro_batches", "schedule"):
+    for field in ("pipeline_kind", "remat", "grad_accumulation", "mesh", "num_micro_batches",
+                  "schedule"):
         if a.get(field) != b.get(field):
             return f"{field}: {a.get(field)!r} vs {b.get(field)!r}"
     for field, label in (("inputs", "input"), ("outputs", "output")):

@@ -191,7 +191,7 @@ class SearchOptions:
     """Pipeline schedule, one of SCHEDULES."""
     measure: bool = False
     """Also compile the searched plan and the expert plans with XLA, price each with the
-    hardware profile and keep the cheapest that fits (shardplan.measure)."""
+    hardware profile and keep the cheapest that fits (shardplan.planning.select)."""
     while_trips: float = 1.0
     """Iterations a while loop JAX knows no trip count of is priced at (scan and fori_loop
     with static bounds have theirs); the plan's notes say when this was used."""
@@ -204,6 +204,12 @@ class SearchOptions:
     activations): "auto" only where no plan of the step as written fits the memory budget
     and the rematerialized one does; True always; False never. One program only: pipelines
     (and shardplan.auto's choice with pipeline="auto") are planned as written."""
+    grad_accumulation: int | str = "auto"
+    """Run the step as M micro-batches (shardplan.inter.accumulate: the loss and gradient a
+    scan over micro-batches whose gradients are summed, the update once; activations held for
+    one micro-batch at a time): "auto" only where no plan of the step as written (or
+    rematerialized, see `remat`) fits the memory budget, the fewest micro-batches that fit,
+    for a loss that is a mean over the batch; an int M always (1: never). One program only."""
     model_constraints: str = "hint"
     """The model's own sharding constraints (`jax.lax.with_sharding_constraint`, flax's
     `nn.with_logical_constraint`, MaxText's and Gemma's): "hint" holds each value to the
@@ -229,6 +235,14 @@ class SearchOptions:
             raise ValueError(f"model_constraints={self.model_constraints!r}: use 'hint' (the "
                              "model's constraints held, priced) or 'ignore' (laid out by the "
                              "planner)")
+        m = self.grad_accumulation
+        if not (m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m >= 1)):
+            raise ValueError(f"grad_accumulation={m!r}: use 'auto' or a number of "
+                             "micro-batches >= 1")
+        if isinstance(m, int) and m > 1 and self.pipeline in (True, "spmd", "mpmd"):
+            raise ValueError(f"grad_accumulation={m} accumulates the gradients of one program; "
+                             f"pipeline={self.pipeline!r} micro-batches its stages itself: pass "
+                             "num_micro_batches= for the pipeline, or pipeline=False")
         if not (isinstance(self.remat, bool) or self.remat == "auto"):
             raise ValueError(f"remat={self.remat!r}: use 'auto', True or False")
         if self.remat is True and self.pipeline in (True, "spmd", "mpmd"):

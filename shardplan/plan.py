@@ -1,6 +1,6 @@
 """Plan: the PartitionSpec of every input, output and planned intermediate, the stages, the
 estimate (shardplan.cost.estimate); JSON round trip and a summary table. Values only: how a
-plan is found is shardplan.search, how it runs is shardplan.emit."""
+plan is found is shardplan.planning, how it runs is shardplan.emit."""
 
 from __future__ import annotations
 
@@ -103,13 +103,17 @@ class Plan:
     """The step's scanned layers are rematerialized (shardplan.ir.remat): the plan is for the
     rewritten step (its value and node ids are that step's), and running or adopting the plan
     rewrites the step the same way."""
+    grad_accumulation: int = 1
+    """The step runs as this many micro-batches (shardplan.inter.accumulate: the loss and
+    gradient a scan over micro-batches, the update once): the plan is for the accumulated step,
+    and running or adopting the plan rewrites the step the same way; 1: as written."""
     compiled_by: str = ""
     """Which compiler judged the plan (shardplan.analysis.targets.Compiler.describe(): the TPU
     compiler on compile-only devices, or XLA:CPU standing in); "" when no program was compiled
     and the cost model alone made the estimate."""
     candidates: tuple = ()
     """Every program the measured selection compiled and priced, or why it failed
-    (shardplan.measure.MeasuredProgram: name, plan, priced, error); in memory only, not in
+    (shardplan.planning.compiled.MeasuredProgram: name, plan, priced, error); in memory only, not in
     plan files."""
 
     @property
@@ -195,6 +199,8 @@ class Plan:
             "notes": list(self.notes),
             # only when set: files of plans without it stay as they were
             **({"remat": True} if self.remat else {}),
+            **({"grad_accumulation": self.grad_accumulation}
+               if self.grad_accumulation > 1 else {}),
             **({"compiled_by": self.compiled_by} if self.compiled_by else {}),
         }
 
@@ -240,7 +246,9 @@ class Plan:
         budget = ("" if fits is None else f" ({'fits' if fits else 'OVER'} the budget of "
                                            f"{fmt_bytes(self.memory_budget)})")
         console.print(f"shardplan plan on mesh {mesh}, hardware {_text(self.hardware)}"
-                      + (", scanned layers rematerialized" if self.remat else ""))
+                      + (", scanned layers rematerialized" if self.remat else "")
+                      + (f", gradients accumulated over {self.grad_accumulation} micro-batches"
+                         if self.grad_accumulation > 1 else ""))
         console.print(f"estimate per step ({_text(self.estimate_source)}): {fmt_seconds(e.total_s)} = "
                       f"compute "
                       f"{fmt_seconds(e.compute_s)} + communication {fmt_seconds(e.comm_s)} "
@@ -321,7 +329,7 @@ _ESTIMATE_KEYS = (*(f.name for f in dataclasses.fields(Estimate)), "total_s")
 _PLAN_KEYS = ("version", "fingerprint", "mesh", "hardware", "memory_budget", "inputs", "outputs",
               "constraints", "operand_specs", "estimate", "model_estimate", "ops", "stages",
               "solver", "num_micro_batches", "schedule", "pipeline_kind", "notes", "remat",
-              "compiled_by")
+              "compiled_by", "grad_accumulation")
 _V1_KEYS = (*(k for k in _PLAN_KEYS if k != "version"), "format", "search_s")
 """Version 1 files named their version "format" and kept the search time."""
 _MAX_INT = 2**62  # no count, size, id or byte figure in a plan is near it
@@ -495,6 +503,7 @@ class _PlanReader:
             schedule=schedule, pipeline_kind=kind,
             notes=tuple(self.items(d, "notes", str, "plan", ())), fingerprint=fp,
             model_estimate=model, remat=self.get(d, "remat", bool, "plan", False),
+            grad_accumulation=self.count(d, "grad_accumulation", "plan", 1, 1),
             compiled_by=self.get(d, "compiled_by", str, "plan", ""))
 
     def stage(self, st: Mapping, w: str) -> Stage:

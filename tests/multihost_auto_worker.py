@@ -8,7 +8,7 @@ Runs: "auto scanned" and "auto marked" (auto's own choice, one program, for a sc
 MLP on a (stage=4, data=2) mesh and a stage-marked 4-block MLP on a 2 x 4 mesh); "spmd" and
 "mpmd" (process 0's choice made an SPMD pipeline of the scanned MLP / an MPMD pipeline of 2
 stages of the marked MLP, with the "cpu" profile and with one whose hosts of 4 devices are
-the processes, by wrapping shardplan.measure.choose_measured, the chooser auto
+the processes, by wrapping shardplan.planning.driver.choose_program, the chooser auto
 calls: the cost model does not pick a pipeline for steps this small); each 3 steps from process-local rows with
 shardplan.global_args against the single-device step. Then two MPMD choices that process 1
 makes differently from process 0 (4 stages; one program): both processes must raise
@@ -62,14 +62,13 @@ def meshes(devices):
 
 
 def deciding(original, me, decide):
-    """shardplan.measure.choose_measured (`original`) deciding with this process's options
-    (or as it is)."""
+    """shardplan.planning.driver.choose_program (`original`) deciding with this process's
+    options (or as it is)."""
     if decide is None:
         return original
 
-    def choose(fn, args, mesh, hw, options, traced, donate_argnums=()):
-        return original(fn, args, mesh, hw, options.replace(measure=False, **decide[me]),
-                        traced, donate_argnums)
+    def choose(job):
+        return original(job.replace(options=job.options.replace(measure=False, **decide[me])))
 
     return choose
 
@@ -129,7 +128,7 @@ def cached(shardplan, me, mesh, original, directory):
     this process decided, and the two plans' fingerprints."""
     calls = []
     choose = deciding(original, me, [{"pipeline": "spmd"}] * 2)
-    shardplan.measure.choose_measured = lambda *a: calls.append(1) or choose(*a)
+    shardplan.planning.driver.choose_program = lambda job: calls.append(1) or choose(job)
     step_fn = scanned.make_step(shardplan)
     rows = slice(me * scanned.ROWS, (me + 1) * scanned.ROWS)
     x, y = scanned.global_batch(0)
@@ -150,19 +149,19 @@ def main(port, me, path):
                                process_id=me)
     import shardplan
     import shardplan.fingerprint
-    import shardplan.measure
+    import shardplan.planning.driver
 
     out = {"process": me, "devices": len(jax.devices())}
-    original = shardplan.measure.choose_measured
+    original = shardplan.planning.driver.choose_program
     try:
         by_name = meshes(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
         for name, (model, mesh, decide, hardware) in RUNS.items():
             print(f"run {name}", flush=True)
-            shardplan.measure.choose_measured = deciding(original, me, decide)
+            shardplan.planning.driver.choose_program = deciding(original, me, decide)
             out[name] = run(shardplan, me, model, by_name[mesh], hardware)
         for name, decide in MISMATCHES.items():
             print(f"mismatch {name}", flush=True)
-            shardplan.measure.choose_measured = deciding(original, me, decide)
+            shardplan.planning.driver.choose_program = deciding(original, me, decide)
             out[name] = mismatch(shardplan, me, by_name["grid"])
         print("cached", flush=True)
         out["cached"] = cached(shardplan, me, by_name["stage"], original,
@@ -170,7 +169,7 @@ def main(port, me, path):
     except Exception:  # noqa: BLE001 (reported to the test)
         out["exception"] = traceback.format_exc()
     finally:
-        shardplan.measure.choose_measured = original
+        shardplan.planning.driver.choose_program = original
     with open(path, "w") as f:
         json.dump(out, f)
     jax.distributed.shutdown()

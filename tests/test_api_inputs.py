@@ -184,12 +184,20 @@ def test_a_planned_step_compiles_once_with_its_outputs_fed_back(mesh8):
 
 
 def test_the_no_rule_warning_points_at_the_caller_once_when_measured(mesh8, monkeypatch):
-    from shardplan import measure
+    import dataclasses
 
-    def select(graph, traced, plan, mesh, hw, *, replan, **_):  # as when it compiles over budget
-        return replan(2**30), ()
+    from shardplan.planning import compiled
 
-    monkeypatch.setattr(measure, "select", select)
+    real = compiled.measure
+
+    def over_budget(*args, **kwargs):  # the searched plan compiles over the budget: re-planned
+        got = real(*args, **kwargs)
+        if got.name != "searched" or got.priced is None:
+            return got
+        return dataclasses.replace(got, priced=dataclasses.replace(got.priced,
+                                                                   peak_bytes=2**40))
+
+    monkeypatch.setattr(compiled, "measure", over_budget)
 
     def step(w, x):
         y = jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct(x.shape, x.dtype), x)

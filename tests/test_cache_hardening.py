@@ -43,7 +43,7 @@ OPTION_VARIANTS = {
     "num_micro_batches": 2, "num_stages": 2, "num_layers": 2, "schedule": "gpipe",
     "measure": True, "while_trips": 2.0, "hints": {"1": P("data")}, "remat": False,
     "model_constraints": "ignore",
-    "deterministic": True,
+    "deterministic": True, "grad_accumulation": 2,
 }
 
 # The arguments of shardplan.auto that do not change the plan, and why.

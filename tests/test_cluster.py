@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import shardplan
-from shardplan.search import mesh_shapes
+from shardplan.planning.job import mesh_shapes
 
 
 def _mlp(batch=64, width=256):

@@ -1,4 +1,4 @@
-"""shardplan.depth: candidates of a deep step priced from two shallow copies agree with the
+"""shardplan.planning.depth: candidates of a deep step priced from two shallow copies agree with the
 full compile; what it does not apply to is compiled in full."""
 
 import warnings
@@ -6,7 +6,7 @@ import warnings
 import jax
 import pytest
 
-from shardplan import depth, measure, models
+from shardplan import models
 from shardplan.analysis import targets
 from shardplan.analysis.price import KindCost, PricedStep
 from shardplan.cost.hardware import get_profile
@@ -14,7 +14,10 @@ from shardplan.intra import liveness
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import abstractify, trace
 from shardplan.options import DEFAULTS
-from shardplan.search import plan_step
+from shardplan.planning import compiled, depth
+from shardplan.planning.expert_plans import expert_plans
+from shardplan.planning.intra_op import plan_step
+from shardplan.planning.job import Job
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import Deadline
 
@@ -48,16 +51,16 @@ def test_extrapolated_candidates_agree_with_the_full_compile(devices):
     compile_one = depth.compiler(graph, traced, _shallow(layers), mesh, HW, traced.state_argnums)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        experts = measure.expert_plans(graph, plan, complete=measure.completer(
-            graph, traced, SHAPE, HW, options, Deadline(60)))
-    dtype = measure.compute_dtype(graph)
+        experts = expert_plans(Job.make(traced, SHAPE, HW, options), plan,
+                               deadline=Deadline(60))
+    dtype = compiled.compute_dtype(graph)
     widening = liveness.cpu_widening(graph) if targets.widens(mesh, HW) else 1.0
     for name, p in {"searched": plan, "fsdp": experts["fsdp"],
                     "two_d": experts["two_d"]}.items():
         got = compile_one(name, p)
         assert "extrapolated from the step compiled at 1 and 2 of its 8 layers" in got.extrapolated
         assert got.stats is None and got.plan is p
-        full = measure.measure(graph, traced, p, mesh, HW, name, traced.state_argnums, dtype,
+        full = compiled.measure(graph, traced, p, mesh, HW, name, traced.state_argnums, dtype,
                                widening)
         for f in ("total_s", "comm_s", "compute_s", "peak_bytes", "bytes_sent"):
             want = getattr(full.priced, f)

@@ -17,8 +17,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-# written in another branch; links to it may dangle until it lands
-PENDING = {DOCS / "architecture.md"}
 
 
 def _load(name):
@@ -105,8 +103,6 @@ def test_relative_link_resolves_inside_the_repository(source, target):
     file_part, _, anchor = target.partition("#")
     dest = (base / file_part).resolve() if file_part else (ROOT / source)
     assert dest == ROOT or ROOT in dest.parents, f"{source} links outside the repository: {target}"
-    if dest in PENDING and not dest.exists():
-        return
     assert dest.exists(), f"{source}: broken link {target}"
     if anchor and dest.suffix == ".md":
         assert anchor in _anchors(dest.read_text()), f"{source}: no heading #{anchor} in {dest.name}"
@@ -146,8 +142,6 @@ FENCE = re.compile(r"^\s*```(\w*)\s*$")
 NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(.+?)\s*-->\s*$")
 FILE_NAME = re.compile(r'^(?:#|""")\s*([\w.-]+\.(?:py|yaml))\b')
 SHELL = ("", "console", "shell", "sh", "bash")
-# written in another branch: its blocks are diagrams, to be marked when it lands
-EXEMPT = {"docs/architecture.md": "being redrawn in another branch (diagrams, not code)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +207,7 @@ ALL_BLOCKS = [b for p in _doc_paths() for b in doc_blocks(p)]
 
 
 def test_every_block_runs_or_says_why_not():
-    unaccounted = [str(b) for b in ALL_BLOCKS if b.path not in EXEMPT and not b.runs
+    unaccounted = [str(b) for b in ALL_BLOCKS if not b.runs
                    and not b.not_run and not b.generated]
     assert not unaccounted, ("blocks neither run by this test nor marked "
                              f"`<!-- not run: why -->`: {unaccounted}")

@@ -12,7 +12,7 @@ from shardplan.cost.hardware import HardwareProfile
 from shardplan.emit import pipeline as pl
 from shardplan.inter.planner import plan_pipeline
 from shardplan.options import SearchOptions
-from shardplan.search import choose
+from shardplan.planning.pipelines import choose
 from tests.test_inter_split import mlp_step
 
 HW = HardwareProfile.two_level(4)

@@ -20,7 +20,7 @@ from shardplan.models.gpt import GPT
 from shardplan.models.layers import TransformerConfig
 from shardplan.options import SearchOptions
 from shardplan.plan import load_plan
-from shardplan.search import choose, pipeline_plan
+from shardplan.planning.pipelines import choose, pipeline_plan
 from tests.test_inter_split import mlp_step
 
 SLOW = HardwareProfile.two_level(4)  # 1e11 B/s within a host, 1e10 between hosts

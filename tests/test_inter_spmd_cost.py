@@ -1,4 +1,4 @@
-"""The SPMD pipeline judged as compiled (shardplan.inter.spmd_cost, shardplan.measure): its
+"""The SPMD pipeline judged as compiled (shardplan.inter.spmd_cost, shardplan.planning.select): its
 estimate, built from the stage program (the micro-batch step's layers on one stage's devices)
 with the schedule's ticks, permutes and all-reduces over the stages, against the one compiled
 SPMD program priced by the same profile (flops with the loop's trip counts); and
@@ -11,11 +11,11 @@ import jax
 import pytest
 
 import shardplan
-from shardplan import measure
 from shardplan.cost.hardware import get_profile
 from shardplan.models import base, get_model, gpt
 from shardplan.options import SearchOptions
-from shardplan.search import choose
+from shardplan.planning import compiled
+from shardplan.planning.pipelines import choose
 from tests.conftest import auto_mesh
 from tests.test_spmd_pipeline import L, M, scanned_mlp
 
@@ -30,7 +30,7 @@ def test_the_estimate_is_the_compiled_program_within_10_percent(schedule):
                                                         schedule=schedule))
     plan, cost = choice.plan, choice.spmd
     assert cost.found and plan.pipeline_kind == "spmd"
-    stats, priced = measure.price_spmd(step, args, plan, mesh, HW, "float32")
+    stats, priced = compiled.price_spmd(step, args, plan, mesh, HW, "float32")
     # XLA counts the loop of ticks once; analyze() counts it M + S - 1 (2M + 2S - 2) times
     assert stats.loop_flops > stats.flops / 2
     assert cost.flops == pytest.approx(stats.flops, rel=0.1)
@@ -78,7 +78,7 @@ def test_a_stage_whose_plan_has_collectives_is_priced_within_10_percent(schedule
     plan = choice.plan
     assert plan.operand_specs and any(s[0].dims != ((),) * len(s[0].dims)
                                       for s in plan.operand_specs.values())
-    _, priced = measure.price_spmd(step, args, plan, mesh, hw, "float32")
+    _, priced = compiled.price_spmd(step, args, plan, mesh, hw, "float32")
     S, per_stage = stages, L // stages
     ticks = M + S - 1 if schedule == "gpipe" else M + 2 * S - 2
     # GPipe gathers once per layer and tick; 1F1B also where its backward's recomputed
@@ -113,7 +113,7 @@ def test_1f1b_runs_the_head_every_tick_in_the_stage_plans_layouts():
     plan = choose(step, m.args, mesh, hw, SearchOptions(pipeline="spmd", num_micro_batches=4,
                                                         schedule="1f1b")).plan
     assert any(k[0] < 0 for k in plan.operand_specs)  # the head's layouts (post_key)
-    stats, priced = measure.price_spmd(step, m.args, plan, mesh, hw, "float32")
+    stats, priced = compiled.price_spmd(step, m.args, plan, mesh, hw, "float32")
     in_loop = [op for op in stats.collectives if op.in_loop]
     ticks = 4 + 2 * 2 - 2
     assert {op.kind for op in in_loop} == {"collective-permute"}, in_loop

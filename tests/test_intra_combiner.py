@@ -2,7 +2,6 @@
 of the gradients' reductions (intra/problem.py Problem.edge_time)."""
 
 import collections
-import importlib
 
 import flax.linen as nn
 import jax
@@ -11,7 +10,6 @@ import optax
 import pytest
 
 import shardplan
-from shardplan import measure
 from shardplan.analysis import hlo
 from shardplan.cost.hardware import get_profile
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
@@ -21,11 +19,13 @@ from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
 from shardplan.options import DEFAULTS
+from shardplan.planning import compiled as compiled_mod
+from shardplan.planning.intra_op import plan_graph, plan_step
+from shardplan.planning.job import Job
 from shardplan.strategies.base import Collective
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from tests.conftest import auto_mesh
 
-search = importlib.import_module("shardplan.search")
 MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
 
 
@@ -34,12 +34,11 @@ def _plan_and_compile(name, mesh_name):
     m = get_model(name, "tiny", abstract=True)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     options = DEFAULTS.replace(state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
-    plan, graph, intra = search.plan_step(
+    plan, graph, intra = plan_step(
         traced, MeshShape.of(mesh), get_profile("cpu"), options, device_mesh=mesh,
-        device_order=[d.id for d in mesh.devices.flat], donate_argnums=m.state_argnums,
-        combine_gradients=True)  # the default; named: it is this test's subject
-    lowered = measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
-    return intra, hlo.analyze(measure.compile_for_analysis(lowered))
+        donate_argnums=m.state_argnums, combine_gradients=True)  # the default; named: it is this test's subject
+    lowered = compiled_mod.lower_plan(graph, traced, plan, mesh, m.state_argnums)
+    return intra, hlo.analyze(compiled_mod.compile_for_analysis(lowered))
 
 
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
@@ -188,12 +187,11 @@ def test_ilp_prices_data_parallel_as_compiled_and_beats_it(devices):
     hw = get_profile("cpu")
     options = DEFAULTS.replace(state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
     shape = MeshShape.of(mesh)
-    searched, graph, _ = search.plan_step(traced, shape, hw, options,
+    searched, graph, _ = plan_step(traced, shape, hw, options,
                                           donate_argnums=m.state_argnums)
-    dp, intra = search.plan_graph(graph, traced, shape, hw, options,
-                                  fixed_inputs=experts.expert_inputs(graph, shape)["data_parallel"],
-                                  donated=search.donated_inputs(traced, m.state_argnums))
-    priced = {name: measure.measure(graph, traced, plan, mesh, hw, name, m.state_argnums).priced
+    job = Job.make(traced, shape, hw, options, donate_argnums=m.state_argnums)
+    dp, intra = plan_graph(job, fixed_inputs=experts.expert_inputs(graph, shape)["data_parallel"])
+    priced = {name: compiled_mod.measure(graph, traced, plan, mesh, hw, name, m.state_argnums).priced
               for name, plan in (("searched", searched), ("dp", dp))}
     assert sum(op.count for op in _collectives(graph, traced, dp, mesh, m)
                if op.kind == "all-reduce") == 1
@@ -203,8 +201,8 @@ def test_ilp_prices_data_parallel_as_compiled_and_beats_it(devices):
 
 
 def _collectives(graph, traced, plan, mesh, m):
-    lowered = measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
-    return hlo.analyze(measure.compile_for_analysis(lowered)).collectives
+    lowered = compiled_mod.lower_plan(graph, traced, plan, mesh, m.state_argnums)
+    return hlo.analyze(compiled_mod.compile_for_analysis(lowered)).collectives
 
 
 def _solve_pinned(g, specs):

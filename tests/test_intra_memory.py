@@ -337,7 +337,7 @@ def test_memory_rows_equal_the_live_sets_summed_at_each_point():
     """memory_rows.solver_terms (array operations) against its definition, point by point:
     random buffers and copies over a few roots, some tied to one representative."""
     from shardplan.intra import memory_rows
-    from shardplan.intra.buffers import Buffer, Copy
+    from shardplan.intra.buffers import Buffer, LiveCopy
 
     rng = np.random.default_rng(1)
     for _ in range(10):
@@ -350,7 +350,7 @@ def test_memory_rows_equal_the_live_sets_summed_at_each_point():
 
         buffers = [Buffer(int(rng.integers(5)), rng.integers(1, 100, width).astype(float), *span())
                    for _ in range(25)]
-        copies = [Copy(int(rng.integers(5)), rng.integers(0, 2, width),
+        copies = [LiveCopy(int(rng.integers(5)), rng.integers(0, 2, width),
                        rng.integers(-5, 50, width).astype(float), int(rng.integers(5)),
                        rng.integers(0, 2, width), rng.integers(1, 50, width).astype(float),
                        *span()) for _ in range(15)]

@@ -7,9 +7,10 @@ from shardplan import models
 from shardplan.cluster import parse_cluster
 from shardplan.intra import linear
 from shardplan.ir.trace import trace
-from shardplan.measure import completer, expert_plans
 from shardplan.options import DEFAULTS
-from shardplan.search import plan_step
+from shardplan.planning.expert_plans import expert_plans
+from shardplan.planning.intra_op import plan_step
+from shardplan.planning.job import Job
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import Deadline
 
@@ -22,7 +23,7 @@ BUDGET = 1_150_000
 def test_a_budgeted_search_that_finds_nothing_keeps_the_expert_plan_that_fits(monkeypatch):
     """Where HiGHS finds no plan under the budget in its time (gpt-6.7b on 8x8 under 80 GB
     did not, in 30 s), the plan is no worse, by the estimate, than an expert's plan that fits
-    (its inputs completed by the ILP without the budget, as shardplan.measure writes it). It
+    (its inputs completed by the ILP without the budget, as shardplan.planning.expert_plans writes it). It
     was the greedy fallback, 3x FSDP's completion here: the expert seeds were solved under the
     budget too, by the same HiGHS, and fell back to their greedy completions, which overflow."""
     mip = linear.mip
@@ -40,10 +41,9 @@ def test_a_budgeted_search_that_finds_nothing_keeps_the_expert_plan_that_fits(mo
     options = DEFAULTS.replace(memory_budget=BUDGET, time_limit=60.0, deterministic=True,
                                state_argnums=step.state_argnums,
                                batch_argnums=step.batch_argnums)
-    plan, graph, _ = plan_step(traced, mesh, hw, options)
+    plan, _, _ = plan_step(traced, mesh, hw, options)
     assert plan.estimate.peak_bytes <= BUDGET
-    complete = completer(graph, traced, mesh, hw, options, Deadline(60.0))
-    written = expert_plans(graph, plan, complete=complete)
+    written = expert_plans(Job.make(traced, mesh, hw, options), plan, deadline=Deadline(60.0))
     # (data parallel's plan is its inputs, XLA propagating the rest: no estimate to compare)
     fitting = {name: p.estimate for name, p in written.items()
                if "the ILP lays out the rest" in p.solver and p.estimate.peak_bytes <= BUDGET}

@@ -4,24 +4,23 @@ replicated on (intra/planner.py reduced_first), and all-reduced whole where anot
 reads the sum (intra/estimate.py scattered_whole)."""
 
 import dataclasses
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardplan import measure
 from shardplan.analysis import hlo
 from shardplan.cost.hardware import get_profile
 from shardplan.intra import estimate, planner
-from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.options import DEFAULTS
+from shardplan.planning import compiled
+from shardplan.planning.intra_op import plan_graph
+from shardplan.planning.job import Job
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from tests.conftest import auto_mesh
 
-search = importlib.import_module("shardplan.search")
 S = ShardSpec
 
 
@@ -52,16 +51,15 @@ def test_a_gradient_split_over_its_summed_axis_compiles_as_planned_on_an_idle_ax
     traced = trace(_step, args, (0,), (1,))
     options = DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,))
     col, row = S.split(2, 1, "model"), S.split(2, 0, "model")
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    plan, intra = search.plan_graph(graph, traced, shape, hw, options, device_mesh=mesh,
-                                    device_order=[d.id for d in mesh.devices.flat],
-                                    fixed_inputs={0: col, 1: col, 2: row},
-                                    donated=frozenset({0, 1}))
+    job = Job.make(traced, shape, hw, options, device_mesh=mesh, donate_argnums=(0,))
+    assert job.donated == frozenset({0, 1})
+    graph = job.graph
+    plan, intra = plan_graph(job, fixed_inputs={0: col, 1: col, 2: row})
     assert any(c.kind == "reduce-scatter" for _, c in intra.comms)
-    lowered = measure.lower_plan(graph, traced, plan, mesh, (0,))
-    stats = hlo.analyze(measure.compile_for_analysis(lowered))
+    lowered = compiled.lower_plan(graph, traced, plan, mesh, (0,))
+    stats = hlo.analyze(compiled.compile_for_analysis(lowered))
     assert not [op for op in stats.collectives if op.kind == "collective-permute"]
-    _, priced = measure.compile_and_price(lowered, mesh, shape, hw, "float32")
+    _, priced = compiled.compile_and_price(lowered, mesh, shape, hw, "float32")
     assert plan.estimate.comm_bytes == pytest.approx(priced.bytes_sent, rel=1e-6)
 
 
@@ -99,13 +97,12 @@ def _planned(fn, args, mesh, hw, fixed):
     """fn(state, batch) planned on `mesh` with its inputs pinned: (graph, plan, intra plan,
     the plan's program lowered)."""
     traced = trace(fn, args, (0,), (1,))
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    plan, intra = search.plan_graph(graph, traced, MeshShape.of(mesh), hw,
-                                    DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,)),
-                                    device_mesh=mesh,
-                                    device_order=[d.id for d in mesh.devices.flat],
-                                    fixed_inputs=fixed, donated=frozenset())
-    return graph, plan, intra, measure.lower_plan(graph, traced, plan, mesh)
+    job = Job.make(traced, MeshShape.of(mesh), hw,
+                   DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,)), device_mesh=mesh,
+                   donate_argnums=())
+    graph = job.graph
+    plan, intra = plan_graph(job, fixed_inputs=fixed)
+    return graph, plan, intra, compiled.lower_plan(graph, traced, plan, mesh)
 
 
 def _same_numbers(lowered, fn, args, tol):
@@ -139,9 +136,9 @@ def test_a_partial_sum_read_twice_is_reduced_once_where_it_is_made(devices):
     dot = next(n for n in graph.nodes if n.primitive == "dot_general")
     assert ", reduced[" in intra.node_strategies[dot.id].name
     assert [c.kind for _, c in intra.comms] == ["reduce-scatter"]
-    stats = hlo.analyze(measure.compile_for_analysis(lowered))
+    stats = hlo.analyze(compiled.compile_for_analysis(lowered))
     assert not [op for op in stats.collectives if op.kind == "collective-permute"]
-    _, priced = measure.compile_and_price(lowered, mesh, MeshShape.of(mesh), hw, "float32")
+    _, priced = compiled.compile_and_price(lowered, mesh, MeshShape.of(mesh), hw, "float32")
     assert plan.estimate.comm_bytes == pytest.approx(priced.bytes_sent, rel=1e-6)
     _same_numbers(lowered, _read_twice, args, 1e-4)
 
@@ -169,11 +166,11 @@ def test_a_split_value_read_twice_is_gathered_once_in_its_own_dtype(devices):
     cast = next(n for n in graph.nodes if n.primitive == "convert_element_type"
                 and graph.values[n.inputs[0]].shape == (1024, 1024))
     assert ", gathered[" in intra.node_strategies[cast.id].name
-    stats = hlo.analyze(measure.compile_for_analysis(lowered))
+    stats = hlo.analyze(compiled.compile_for_analysis(lowered))
     gathers = [op for op in stats.collectives if op.kind == "all-gather"]
     # bf16 in the program (XLA:CPU widens it to f32 in the collective; the pricer halves it)
     assert gathers and all(op.dtypes == ("bfloat16",) or op.widened_nbytes == op.nbytes
                            for op in gathers)
-    _, priced = measure.compile_and_price(lowered, mesh, MeshShape.of(mesh), hw, "bfloat16")
+    _, priced = compiled.compile_and_price(lowered, mesh, MeshShape.of(mesh), hw, "bfloat16")
     assert plan.estimate.comm_bytes == pytest.approx(priced.bytes_sent, rel=1e-6)
     _same_numbers(lowered, _cast_read_twice, args, 2e-2)

@@ -12,7 +12,6 @@ import jax
 import pytest
 
 import shardplan
-from shardplan import fit, measure, replan
 from shardplan.analysis import hlo, targets
 from shardplan.cost.hardware import get_profile
 from shardplan.intra import liveness
@@ -20,7 +19,11 @@ from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
 from shardplan.options import DEFAULTS
-from shardplan.search import plan_step
+from shardplan.planning import compiled as compiled_mod
+from shardplan.planning import driver, select
+from shardplan.planning.expert_plans import expert_plans
+from shardplan.planning.intra_op import plan_step
+from shardplan.planning.job import Job
 from shardplan.strategies.spec import MeshShape
 
 # The estimate is to be within this of the compiled peak (issue 11).
@@ -36,12 +39,12 @@ CASES = {
 
 def _data_parallel_peak(m, mesh) -> int:
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
-    plan, graph, _ = plan_step(traced, MeshShape.of(mesh), get_profile("cpu"),
-                               DEFAULTS.replace(time_limit=10.0, deterministic=True),
-                               device_mesh=mesh)
-    dp = measure.expert_plans(graph, plan)["data_parallel"]
-    lowered = measure.lower_plan(graph, traced, dp, mesh, m.state_argnums)
-    return hlo.analyze(measure.compile_for_analysis(lowered)).peak_bytes
+    job = Job.make(traced, MeshShape.of(mesh), get_profile("cpu"),
+                   DEFAULTS.replace(time_limit=10.0, deterministic=True), device_mesh=mesh)
+    plan, graph, _ = plan_step(traced, job.mesh, job.hw, job.options, device_mesh=mesh)
+    dp = expert_plans(job, plan, complete=False)["data_parallel"]
+    lowered = compiled_mod.lower_plan(graph, traced, dp, mesh, m.state_argnums)
+    return hlo.analyze(compiled_mod.compile_for_analysis(lowered)).peak_bytes
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -60,7 +63,7 @@ def test_a_plan_said_to_fit_fits_and_its_estimate_is_within_tolerance(name, mesh
     assert any(n.startswith("memory checked once compiled") for n in plan.notes), plan.notes
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # donating abstract arguments warns
-        peak = hlo.analyze(measure.compile_for_analysis(step.lower(*m.args))).peak_bytes
+        peak = hlo.analyze(compiled_mod.compile_for_analysis(step.lower(*m.args))).peak_bytes
     assert peak <= budget, (peak, budget, plan.estimate.peak_bytes)
     assert abs(peak / plan.estimate.peak_bytes - 1) <= TOLERANCE, (peak, plan.estimate.peak_bytes)
     # the memory model's own estimate, before the check compiled it
@@ -69,8 +72,8 @@ def test_a_plan_said_to_fit_fits_and_its_estimate_is_within_tolerance(name, mesh
 
 
 def _over_budget_at_first(monkeypatch, times, factor):
-    """measure.measure reporting the first `times` programs compiled at `factor` x their peak."""
-    real, calls = measure.measure, []
+    """compiled_mod.measure reporting the first `times` programs compiled at `factor` x their peak."""
+    real, calls = compiled_mod.measure, []
 
     def fake(*args, **kwargs):
         got = real(*args, **kwargs)
@@ -80,7 +83,7 @@ def _over_budget_at_first(monkeypatch, times, factor):
         return dataclasses.replace(got, priced=dataclasses.replace(
             got.priced, peak_bytes=factor * got.priced.peak_bytes))
 
-    monkeypatch.setattr(measure, "measure", fake)
+    monkeypatch.setattr(compiled_mod, "measure", fake)
     return calls
 
 
@@ -88,7 +91,7 @@ def _over_budget_at_first(monkeypatch, times, factor):
 def test_a_plan_compiled_over_the_budget_is_planned_again_or_not_said_to_fit(
         times, factor, mesh2x4, monkeypatch):
     """Under a budget on devices the plan is compiled: over the budget, the ILP plans again
-    under a scaled budget (shardplan.fit); when no re-plan compiles within it either (or the
+    under a scaled budget (shardplan.planning.select); when no re-plan compiles within it either (or the
     time limit leaves none: the least memory's proof can take what remains), the plan
     returned says it does not fit (its estimate is the compiled peak) and a warning says so."""
     m = get_model("mlp", "tiny", abstract=True)
@@ -98,8 +101,9 @@ def test_a_plan_compiled_over_the_budget_is_planned_again_or_not_said_to_fit(
     calls = _over_budget_at_first(monkeypatch, times, factor)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = fit.plan_checked(traced, MeshShape.of(mesh2x4), get_profile("cpu"), options,
-                                device_mesh=mesh2x4, donate_argnums=m.state_argnums)
+        plan = driver.judged(Job.make(traced, MeshShape.of(mesh2x4), get_profile("cpu"),
+                                      options, device_mesh=mesh2x4,
+                                      donate_argnums=m.state_argnums))
     note = next(n for n in plan.notes if n.startswith("memory checked once compiled"))
     assert calls[0] == "searched", calls
     assert plan.model_estimate is not None
@@ -129,7 +133,7 @@ def test_xla_cpu_computes_bf16_in_f32_and_the_widening_says_how_much_the_target_
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             lowered = jax.jit(m.fn, in_shardings=rep, out_shardings=rep).lower(*m.args)
-        peaks[dtype] = hlo.analyze(measure.compile_for_analysis(lowered)).peak_bytes
+        peaks[dtype] = hlo.analyze(compiled_mod.compile_for_analysis(lowered)).peak_bytes
         w = liveness.cpu_widening(graph)
         assert (w == 1.0) if dtype == "float32" else (0.5 <= w < 1.0), (dtype, w)
     assert peaks["bfloat16"] >= peaks["float32"], peaks
@@ -158,7 +162,7 @@ def test_the_compiled_check_compiles_the_donation_the_step_runs_with(mesh2x4):
     assert any(n.startswith("memory checked once compiled") for n in plan.notes), plan.notes
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peak = hlo.analyze(measure.compile_for_analysis(step.lower(*m.args))).peak_bytes
+        peak = hlo.analyze(compiled_mod.compile_for_analysis(step.lower(*m.args))).peak_bytes
     assert plan.estimate.peak_bytes == pytest.approx(peak, rel=1e-6)
 
 
@@ -175,8 +179,8 @@ def test_the_memory_models_own_estimate_is_within_tolerance_of_the_compiled_peak
     plan, graph, _ = plan_step(traced, MeshShape.of(mesh8), get_profile("cpu"),
                                DEFAULTS.replace(time_limit=20.0, deterministic=True),
                                device_mesh=mesh8)
-    lowered = measure.lower_plan(graph, traced, plan, mesh8, m.state_argnums)
-    peak = hlo.analyze(measure.compile_for_analysis(lowered)).peak_bytes
+    lowered = compiled_mod.lower_plan(graph, traced, plan, mesh8, m.state_argnums)
+    peak = hlo.analyze(compiled_mod.compile_for_analysis(lowered)).peak_bytes
     assert abs(peak / plan.estimate.peak_bytes - 1) <= TOLERANCE, (peak, plan.estimate.peak_bytes)
 
 
@@ -185,7 +189,7 @@ def test_re_plans_and_their_compiles_end_within_the_time_limit(mesh2x4, monkeypa
     only while a re-plan and its compile fit in what remains of the time limit, so the whole
     check ends within 1.2x of it (re-planning whatever remained, then compiling, ran 30 s
     limits to 46-73 s on 2x4)."""
-    real, calls = measure.measure, []
+    real, calls = compiled_mod.measure, []
 
     def slow(*args, **kwargs):
         time.sleep(2.5)
@@ -194,7 +198,7 @@ def test_re_plans_and_their_compiles_end_within_the_time_limit(mesh2x4, monkeypa
         return dataclasses.replace(got, priced=dataclasses.replace(
             got.priced, peak_bytes=10 * got.priced.peak_bytes))
 
-    monkeypatch.setattr(measure, "measure", slow)
+    monkeypatch.setattr(compiled_mod, "measure", slow)
     m = get_model("mlp", "tiny", abstract=True)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     options = DEFAULTS.replace(memory_budget=300 * 2**10, time_limit=7.0,
@@ -202,12 +206,13 @@ def test_re_plans_and_their_compiles_end_within_the_time_limit(mesh2x4, monkeypa
     t = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = fit.plan_checked(traced, MeshShape.of(mesh2x4), get_profile("cpu"), options,
-                                device_mesh=mesh2x4, donate_argnums=m.state_argnums)
+        plan = driver.judged(Job.make(traced, MeshShape.of(mesh2x4), get_profile("cpu"),
+                                      options, device_mesh=mesh2x4,
+                                      donate_argnums=m.state_argnums))
     took = time.perf_counter() - t
     assert took <= 1.2 * options.time_limit, (took, calls)
     assert calls[0] == "searched" and not plan.fits()
-    assert len(calls) < 1 + replan.RECALIBRATIONS, calls  # a re-plan was left out
+    assert len(calls) < 1 + select.RECALIBRATIONS, calls  # a re-plan was left out
 
 
 def test_a_kernel_read_whole_in_the_backward_is_held_whole_from_the_forward(mesh2x4,
@@ -243,15 +248,14 @@ def test_a_kernel_read_whole_in_the_backward_is_held_whole_from_the_forward(mesh
                                batch_argnums=m.batch_argnums)
     mesh = MeshShape.of(mesh2x4)
     plan, graph, _ = plan_step(traced, mesh, get_profile("cpu"), options, device_mesh=mesh2x4)
-    complete = measure.completer(graph, traced, mesh, get_profile("cpu"), options,
-                                 Deadline(60.0), device_mesh=mesh2x4)
+    job = Job.make(traced, mesh, get_profile("cpu"), options, device_mesh=mesh2x4)
     kernels = {tuple(graph.values[v].shape) for v in graph.inputs if graph.values[v].ndim == 2}
     checked = []
-    for name, expert in measure.expert_plans(graph, plan, complete=complete).items():
+    for name, expert in expert_plans(job, plan, deadline=Deadline(60.0)).items():
         if name not in ("fsdp", "two_d"):
             continue
-        compiled = measure.compile_for_analysis(
-            measure.lower_plan(graph, traced, expert, mesh2x4, m.state_argnums))
+        compiled = compiled_mod.compile_for_analysis(
+            compiled_mod.lower_plan(graph, traced, expert, mesh2x4, m.state_argnums))
         if not any(f"f32[{a},{b}]" in line and "all-gather(" in line
                    for a, b in kernels for line in compiled.as_text().splitlines()):
             continue  # no kernel gathered whole
@@ -276,7 +280,7 @@ def test_gradients_reduced_together_are_held_until_their_combined_all_reduce(mes
     made, so all are live together, and again as its results. Freeing each gradient at its
     update, the model put a GPT's plan at 1/1.32 of its compiled peak."""
     from shardplan.ir.graph import Role
-    from shardplan.search import plan_graph
+    from shardplan.planning.intra_op import plan_graph
     from shardplan.strategies.spec import ShardSpec
 
     m, graph = _graph("gpt")
@@ -290,10 +294,10 @@ def test_gradients_reduced_together_are_held_until_their_combined_all_reduce(mes
             fixed[i] = ShardSpec(((mesh8.axis_names[0],),) + ((),) * (nd - 1))
     options = DEFAULTS.replace(time_limit=20.0, deterministic=True, state_argnums=m.state_argnums,
                                batch_argnums=m.batch_argnums)
-    plan, _ = plan_graph(graph, traced, MeshShape.of(mesh8), get_profile("cpu"), options,
-                         device_mesh=mesh8, fixed_inputs=fixed)
-    compiled = measure.compile_for_analysis(
-        measure.lower_plan(graph, traced, plan, mesh8, m.state_argnums))
+    job = Job.make(traced, MeshShape.of(mesh8), get_profile("cpu"), options, device_mesh=mesh8)
+    plan, _ = plan_graph(job, fixed_inputs=fixed)
+    compiled = compiled_mod.compile_for_analysis(
+        compiled_mod.lower_plan(graph, traced, plan, mesh8, m.state_argnums))
     assert compiled.as_text().count(" all-reduce(") == 1  # the gradients', combined
     peak = hlo.analyze(compiled).peak_bytes
     assert abs(peak / plan.estimate.peak_bytes - 1) <= TOLERANCE, (peak, plan.estimate.peak_bytes)

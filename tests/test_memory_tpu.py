@@ -11,7 +11,6 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest
 
-from shardplan import measure
 from shardplan.cost.hardware import get_profile
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra import compilers
@@ -21,7 +20,10 @@ from shardplan.ir.lift import LiftOptions, lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
 from shardplan.options import DEFAULTS
-from shardplan.search import plan_step
+from shardplan.planning import compiled as compiled_mod
+from shardplan.planning.expert_plans import expert_plans
+from shardplan.planning.intra_op import plan_step
+from shardplan.planning.job import Job
 from shardplan.strategies.spec import MeshShape
 
 TOLERANCE = 0.10
@@ -66,9 +68,9 @@ def _plans(name, mesh, expert):
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     plan, graph, _ = plan_step(traced, MESH, hw, DEFAULTS, device_mesh=mesh)
     if expert:
-        complete = measure.completer(graph, traced, MESH, hw, DEFAULTS, 60.0, device_mesh=mesh)
-        plan = measure.expert_plans(graph, plan, complete=complete)[expert]
-    return plan, measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
+        job = Job.make(traced, MESH, hw, DEFAULTS, device_mesh=mesh)
+        plan = expert_plans(job, plan, deadline=60.0)[expert]
+    return plan, compiled_mod.lower_plan(graph, traced, plan, mesh, m.state_argnums)
 
 
 @pytest.mark.parametrize("name", [_case(n) for n in sorted(CASES)])

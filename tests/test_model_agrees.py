@@ -10,9 +10,9 @@ import jax
 import pytest
 
 import shardplan
-from shardplan import measure
 from shardplan.cost.hardware import get_profile
 from shardplan.models import get_model
+from shardplan.planning import compiled as compiled_mod
 from tests.conftest import auto_mesh
 
 MESHES = {"8": ((8,), ("devices",)), "2x4": ((2, 4), ("data", "model"))}
@@ -25,7 +25,7 @@ def _check(name, mesh_name, profile):
                           batch_argnums=m.batch_argnums, donate_argnums=m.state_argnums)
     plan = step.plan(*m.args)
     dtype = "float32" if m.config.dtype == "float32" else "bfloat16"
-    stats, priced = measure.compile_and_price(step.lower(*m.args), mesh, plan.mesh,
+    stats, priced = compiled_mod.compile_and_price(step.lower(*m.args), mesh, plan.mesh,
                                               get_profile(profile), dtype)
     return plan.estimate, stats, priced
 
@@ -180,22 +180,21 @@ def test_a_bf16_weight_gradient_is_reduced_in_bf16(devices):
     through the widening convert priced the reduction at f32 (gpt-6.7b on 8x8: 45.7 ms of
     communication planned against 33.6 compiled, 4 layers)."""
     from shardplan.intra import experts
-    from shardplan.ir.lift import LiftOptions, lift
     from shardplan.ir.trace import trace
     from shardplan.options import DEFAULTS
-    from shardplan.search import donated_inputs, plan_graph
+    from shardplan.planning.intra_op import plan_graph
+    from shardplan.planning.job import Job
     from shardplan.strategies.spec import MeshShape
 
     mesh = auto_mesh(*MESHES["2x4"])
     m = get_model("gpt", "tiny", dtype="bfloat16", param_dtype="float32")
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
-    graph = lift(traced.closed_jaxpr, traced.arg_info, LiftOptions())
     hw, shape = get_profile("a100-80gb"), MeshShape.of(mesh)
-    plan, _ = plan_graph(graph, traced, shape, hw, DEFAULTS, device_mesh=mesh,
-                         fixed_inputs=experts.expert_inputs(graph, shape)["two_d"],
-                         donated=donated_inputs(traced, None))
-    lowered = measure.lower_plan(graph, traced, plan, mesh, m.state_argnums)
-    _, priced = measure.compile_and_price(lowered, mesh, shape, hw, "bfloat16")
+    job = Job.make(traced, shape, hw, DEFAULTS, device_mesh=mesh)
+    graph = job.graph
+    plan, _ = plan_graph(job, fixed_inputs=experts.expert_inputs(graph, shape)["two_d"])
+    lowered = compiled_mod.lower_plan(graph, traced, plan, mesh, m.state_argnums)
+    _, priced = compiled_mod.compile_and_price(lowered, mesh, shape, hw, "bfloat16")
     # (at test size the compiled program also gathers small activations over `model` that
     # the plan keeps split: 22% fewer bytes planned, all latency on NVLink: the times agree)
     assert plan.estimate.comm_s == pytest.approx(priced.comm_s, rel=0.05)  # was 0.86

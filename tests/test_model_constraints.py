@@ -31,7 +31,6 @@ from jax.sharding import PartitionSpec as P
 
 import shardplan
 from shardplan import hints as box_hints
-from shardplan import measure
 from shardplan.cost.hardware import get_profile
 from shardplan.intra import hints as hints_mod
 from shardplan.ir import constraints as constraints_mod
@@ -39,6 +38,7 @@ from shardplan.ir import interpret
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.options import Hints, SearchOptions
+from shardplan.planning import compiled
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
 # MaxText's logical axis rules, on the user's (data, model) mesh
@@ -333,7 +333,7 @@ def _run_and_check(step, args, mesh, want=None, **options):
     plan = auto.plan(*args)
     got = auto(*args)
     _close(got, _one_device(step, args) if want is None else want)
-    _, priced = measure.compile_and_price(auto.lower(*args), mesh, plan.mesh,
+    _, priced = compiled.compile_and_price(auto.lower(*args), mesh, plan.mesh,
                                           get_profile("cpu"), "float32")
     assert plan.estimate.comm_bytes == pytest.approx(priced.bytes_sent, rel=0.10, abs=4096)
     return plan

@@ -140,7 +140,7 @@ def test_kept_expert_shows_the_searched_plans_model_not_zeros():
     comparison shows the searched plan's cost model, labelled so, not a row of zeros."""
     import dataclasses
 
-    from shardplan.measure import MeasuredProgram
+    from shardplan.planning.compiled import MeasuredProgram
     searched = _plan()
     kept = dataclasses.replace(searched, estimate=Estimate(0.0, 0.0, 0.0, 100 * MiB),
                                candidates=(MeasuredProgram("searched", searched),))

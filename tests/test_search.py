@@ -2,7 +2,7 @@
 uniform links, and the reasons in the plan's notes."""
 
 from shardplan.options import SearchOptions
-from shardplan.search import choose
+from shardplan.planning.pipelines import choose
 from tests.test_inter_planner import FAST, SLOW
 from tests.test_inter_split import mlp_step
 

@@ -253,7 +253,7 @@ def test_defaults_1f1b_with_two_micro_batches_per_stage(tmp_path):
 
 
 def test_an_spmd_plan_is_cached_and_the_second_run_does_not_plan(tmp_path, monkeypatch):
-    from shardplan import measure
+    from shardplan.planning import driver
 
     step, args = scanned_mlp()
     first = shardplan.auto(step, mesh=stage_mesh(), pipeline="spmd", num_micro_batches=M,
@@ -264,7 +264,7 @@ def test_an_spmd_plan_is_cached_and_the_second_run_does_not_plan(tmp_path, monke
     def no_planning(*a, **k):
         raise AssertionError("planned again instead of loading the cached plan")
 
-    monkeypatch.setattr(measure, "choose_measured", no_planning)
+    monkeypatch.setattr(driver, "choose_program", no_planning)
     again = shardplan.auto(step, mesh=stage_mesh(), pipeline="spmd", num_micro_batches=M,
                            cache=tmp_path)
     loaded = again.plan(*args)

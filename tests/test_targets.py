@@ -147,13 +147,13 @@ def test_the_cli_names_the_tpu_compiler_and_rejects_a_slice_it_does_not_know(tmp
 
 
 def test_a_program_is_compiled_once(monkeypatch, mesh2x4):
-    from shardplan import measure
+    from shardplan.planning import compiled as compiled_mod
 
     calls = []
-    real = measure.compile_for_analysis
-    monkeypatch.setattr(measure, "compile_for_analysis", lambda low: calls.append(1) or real(low))
+    real = compiled_mod.compile_for_analysis
+    monkeypatch.setattr(compiled_mod, "compile_for_analysis", lambda low: calls.append(1) or real(low))
     lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((64, 64), jnp.float32))
-    assert measure.analyzed(lowered, mesh2x4) is measure.analyzed(lowered, mesh2x4)
+    assert compiled_mod.analyzed(lowered, mesh2x4) is compiled_mod.analyzed(lowered, mesh2x4)
     assert len(calls) == 1
 
 
@@ -184,13 +184,13 @@ def test_a_program_past_hbm_is_refused_and_never_said_to_fit(mesh2x4, monkeypatc
             "temporaries (35.16G) exceeds available HBM (15.75G).")
     assert targets.hbm_refusal(text) == (35.16 * 2**30, 15.75 * 2**30)
     assert targets.hbm_refusal("INTERNAL: something else (3.0G)") is None
-    from shardplan import measure
+    from shardplan.planning import compiled as compiled_mod
 
     def refuse(lowered):
         raise RuntimeError(text)
 
-    monkeypatch.setattr(measure, "compile_for_analysis", refuse)
-    monkeypatch.setattr(measure, "_COMPILED", {})
+    monkeypatch.setattr(compiled_mod, "compile_for_analysis", refuse)
+    monkeypatch.setattr(compiled_mod, "_COMPILED", {})
     m = _mlp()
     step = shardplan.auto(m.fn, mesh=mesh2x4, hardware="tpu-v5e", cache=False,
                           memory_budget="15GiB", time_limit=30, deterministic=True,

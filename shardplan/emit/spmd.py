@@ -204,7 +204,7 @@ def emit_spmd(fn, mesh: Mesh, num_stages: int, num_micro_batches: int, in_shardi
 
 
 def emit_plan(fn, plan, mesh: Mesh, donate_argnums=()):
-    """The SPMD pipeline `plan` (shardplan.spmd_search: its `constraints` the carries' specs by
+    """The SPMD pipeline `plan` (shardplan.planning.spmd_pipeline: its `constraints` the carries' specs by
     position, its `operand_specs` the layouts inside a layer by (body equation, operand)) of
     the step `fn` as one jax.jit on the pipeline mesh `mesh`: (jitted, the plan placed on
     `mesh`)."""

@@ -47,7 +47,7 @@ still found by TracedStep.rematerialized):
     for m in micro_batch_choices(traced, mesh_shape, batch_argnums):
         step_m = traced if m == 1 else accumulated(fn, args, m, reduction=reduction,
                                                    state_argnums=..., batch_argnums=...)
-        plan_m = search.plan_step(step_m, mesh_shape, hw, options)  # as for any step
+        plan_m = plan_step(step_m, mesh_shape, hw, options)  # as for any step (planning.intra_op)
         # optionally: p = partial_sums_for(plan_m's batch input spec, mesh_shape); when
         # p > 1 and the batch divides by m * p, plan accumulated(..., partial_sums=p) too
 

@@ -145,7 +145,7 @@ def _descendants(graph: Graph, values: Sequence[int], skip: set[int]) -> set[int
 @dataclasses.dataclass(frozen=True)
 class Priced:
     """A lifted step, its intra-op plan on one stage's devices and that plan's op rows
-    (shardplan.search.op_rows, in node order)."""
+    (shardplan.planning.intra_op.op_rows, in node order)."""
 
     graph: Graph
     intra: IntraPlan

@@ -20,8 +20,9 @@ class Buffer:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Copy:
-    """A buffer that exists only when two roots' layouts of one value differ (ilp.Copy), over
+class LiveCopy:
+    """A buffer that exists only when two roots' layouts of one value differ, live from
+    `start` to `end` in the schedule: the memory model's form of the solver's ilp.Copy, over
     root choices rather than the ILP's representatives."""
 
     a: int

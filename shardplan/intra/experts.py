@@ -3,7 +3,7 @@
 
 The intra-op planner solves the ILP with each expert plan's inputs pinned as well as free and
 keeps the cheapest, so its plan is never worse, under the cost model, than what an expert
-writes by hand; shardplan.measure compiles them as candidates; shardplan.baselines turns them
+writes by hand; shardplan.planning.select compiles them as candidates; shardplan.baselines turns them
 into NamedShardings of a TrainStep's arguments. A split that does not divide falls back to
 replicated for that leaf (a batch to the first axes that divide it), so every spec is valid.
 """

@@ -20,7 +20,7 @@ import numpy as np
 
 from shardplan.cost.model import CONTRACTIONS
 from shardplan.intra import combiner
-from shardplan.intra.buffers import Buffer, Copy
+from shardplan.intra.buffers import Buffer, LiveCopy
 
 # The ops whose gradients a plan leaves as partial sums of the weights' size: the contractions
 # (a kernel's gradient) and the scatter-add of a gather's (an embedding's). (A bias's
@@ -53,7 +53,7 @@ def _later(g, node, ids: set[int], readers) -> set[int]:
     return out
 
 
-def holds(model, is_tensor) -> tuple[list[Buffer], list[Copy]]:
+def holds(model, is_tensor) -> tuple[list[Buffer], list[LiveCopy]]:
     """The buffers (and, for a gradient that feeds one other, copies: held only when that
     one is not reduced) of the gradients held for the combined all-reduce."""
     p = model.problem
@@ -99,7 +99,7 @@ def holds(model, is_tensor) -> tuple[list[Buffer], list[Copy]]:
                 red2 = np.any([_reduced(p, m2, j) for j in range(len(g.nodes[n2].outputs))],
                               axis=0)
                 ka, kb = reduced.astype(int), np.where(red2, 1, 2)
-                copies += [Copy(root[m], ka, nbytes, root[m2], kb, np.zeros(len(kb)), a, b, w)
+                copies += [LiveCopy(root[m], ka, nbytes, root[m2], kb, np.zeros(len(kb)), a, b, w)
                            for a, b, w in spans]
             else:
                 buffers += [Buffer(root[m], nbytes, a, b, w) for a, b, w in spans]

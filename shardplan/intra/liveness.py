@@ -272,7 +272,7 @@ def cpu_widening(graph) -> float:
     intermediates (not its inputs and outputs, whose buffers keep their dtype) under the
     memory model's schedule and lifetimes, at their own widths, over the same peak with every
     narrow float held as f32: 1.0 for a step without narrow floats. A model, not a
-    measurement (the target's program cannot be compiled on CPU): shardplan.measure says so
+    measurement (the target's program cannot be compiled on CPU): shardplan.planning.select says so
     where it uses it."""
     if not any(v.dtype in NARROW_FLOATS for v in graph.values):
         return 1.0

@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from shardplan.intra import liveness
-from shardplan.intra.buffers import Copy
+from shardplan.intra.buffers import LiveCopy
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -107,10 +107,10 @@ def masks(model, lay, generated: dict[int, int]) -> tuple[list[Mask], set[int]]:
     return out, mine
 
 
-def ilp_copies(mask: Mask) -> list[Copy]:
+def ilp_copies(mask: Mask) -> list[LiveCopy]:
     """The rows' terms of a mask's reshards: each read's copy from the first read to its own,
     which never counts less than the evaluation's (evaluate)."""
-    return [Copy(rd.src, rd.key_src, np.zeros(len(rd.key_src)), rd.dst, rd.key_dst, rd.nbytes,
+    return [LiveCopy(rd.src, rd.key_src, np.zeros(len(rd.key_src)), rd.dst, rd.key_dst, rd.nbytes,
                  mask.first, max(mask.first, rd.end), f"mask v{rd.value} resharded")
             for rd in mask.reads]
 

@@ -51,7 +51,7 @@ from shardplan.intra import (
     memory_rows,
     originals,
 )
-from shardplan.intra.buffers import Buffer, Copy
+from shardplan.intra.buffers import Buffer, LiveCopy
 from shardplan.intra.liveness import lifetimes, schedule
 from shardplan.ir import primitives
 
@@ -92,7 +92,7 @@ class MemoryModel:
         donated = frozenset(range(p.num_inputs)) if donated is None else donated
         cost, root = p.cost, p.groups.root
         self.buffers: list[Buffer] = []
-        self.copies: list[Copy] = []
+        self.copies: list[LiveCopy] = []
         end = max(n - 1, 0)
 
         self.scale = scale = 1.0 + margin
@@ -191,7 +191,7 @@ class MemoryModel:
                     ka, kb = layouts.keys(
                         [p.out_spec(m, k, c) for c in range(len(p.strategies[root[m]]))],
                         [p.out_spec(t, 0, c) for c in range(len(p.strategies[root[t]]))])
-                    self.copies.append(Copy(root[m], ka, scale * sizes(v, m, k), root[t], kb,
+                    self.copies.append(LiveCopy(root[m], ka, scale * sizes(v, m, k), root[t], kb,
                                             np.zeros(len(kb)), pos[node.id], pos[node.id],
                                             f"state {t} computed in another layout"))
         for node in g.nodes:
@@ -281,7 +281,7 @@ class MemoryModel:
             # one-hot's last elementwise reader)
             at = [self.pos[m - p.num_inputs] for m, _ in readers[v]]
             ka, kb = layouts.keys(srcs, dsts)
-            self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rf, kb,
+            self.copies.append(LiveCopy(rs, ka, np.zeros(len(ka)), rf, kb,
                                     lay.nbytes(g.values[v], dsts), min(at), max(at),
                                     f"fan-out of v{v}"))
         first = self.first  # gathered inputs start there (see __init__)
@@ -351,7 +351,7 @@ class MemoryModel:
                     kl, km, _ = lay.keys(lead[1], dsts)
                     grows = (np.zeros(len(kl)) if hoist
                              else -lay.sized(g.values[v], lead[1]))
-                    self.copies.append(Copy(lead[0], kl, grows, rm, km, nbytes, first, at - 1,
+                    self.copies.append(LiveCopy(lead[0], kl, grows, rm, km, nbytes, first, at - 1,
                                             f"hoisted reshard of v{v} for {what}"))
                 if held is not None and g.nodes[m - p.num_inputs].primitive not in FUSED:
                     # The first reader's copy is held to this one (last, above): XLA reads it
@@ -359,11 +359,11 @@ class MemoryModel:
                     # they differ (counted from the source, a layout equal to both was counted
                     # twice here: BERT's logits' operand at its backward dot)
                     kh, km, _ = lay.keys(held[1], dsts)
-                    self.copies.append(Copy(held[0], kh, np.zeros(len(kh)), rm, km, nbytes,
+                    self.copies.append(LiveCopy(held[0], kh, np.zeros(len(kh)), rm, km, nbytes,
                                             start, last, f"reshard of v{v} for {what}"))
                     needs.append(originals.Need(at, held[0], kh, rm, km, False))
                 else:
-                    self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start,
+                    self.copies.append(LiveCopy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, start,
                                             last, f"reshard of v{v} for {what}"))
                     if held is None:
                         floor = max(floor, at)
@@ -374,7 +374,7 @@ class MemoryModel:
                         and primitives.info(g.nodes[m - p.num_inputs].primitive).leader):
                     # A gathered operand of a dot is copied once more into the layout the dot
                     # reads (XLA's layout assignment), for the moment of the dot.
-                    self.copies.append(Copy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, at, at,
+                    self.copies.append(LiveCopy(rs, ka, np.zeros(len(ka)), rm, kb, nbytes, at, at,
                                             f"layout copy of v{v} for {what}"))
             if own is not None and floor < self.buffers[own].end:
                 floor = max(floor, self.buffers[own].start)

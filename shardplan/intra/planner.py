@@ -85,7 +85,7 @@ def _leaving_seeds_time(inp: ilp.SolverInput, seeds) -> ilp.SolverInput:
 
 def _seeded(pinned: ilp.SolverInput, solver: SolverSettings) -> ilp.Solution:
     """The best plan with an expert's inputs. Under a budget, first as measure writes the
-    expert's plan (shardplan.measure.completer: the ILP around its inputs without the budget;
+    expert's plan (shardplan.planning.expert_plans: the ILP around its inputs without the budget;
     fast, as no memory row keeps presolve or the LP from the problem): if that fits, nothing
     that fits is cheaper. Else the budgeted ILP, that completion as its hint."""
     if pinned.memory_budget is None:

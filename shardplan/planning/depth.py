@@ -15,7 +15,7 @@ optimizer's updates by their parameter's name); the layers must repeat (every la
 sequence of operators and shapes, or every p-th: MoE layers between dense ones, cut at k and
 k + p), and the full step with layers k.. removed must be the cut-down step, operator for
 operator and input for input. Otherwise, or when a cut-down compile fails or a
-figure shrinks with depth, the candidate is compiled in full (`measure.measure`). The kept
+figure shrinks with depth, the candidate is compiled in full (`compiled.measure`). The kept
 plan is the cheapest as extrapolated; it is not compiled again in full, and its notes (and
 MeasuredProgram.extrapolated) say its figures are extrapolated.
 """
@@ -27,7 +27,6 @@ import difflib
 import re
 from collections.abc import Callable, Sequence
 
-from shardplan import measure
 from shardplan.analysis import targets
 from shardplan.analysis.price import KindCost, PricedStep
 from shardplan.cost.hardware import HardwareProfile
@@ -35,6 +34,7 @@ from shardplan.intra import liveness
 from shardplan.ir.graph import Graph
 from shardplan.ir.trace import TracedStep
 from shardplan.plan import Plan
+from shardplan.planning import compiled
 
 _LAYER = re.compile(r"(?<![A-Za-z0-9])layer_(\d+)(?![0-9])")
 
@@ -239,25 +239,25 @@ class Shallow:
 
 def compiler(graph: Graph, traced: TracedStep, shallow: Shallow | None, mesh,
              hw: HardwareProfile, donate_argnums: Sequence[int] = ()
-             ) -> Callable[[str, Plan], measure.MeasuredProgram]:
-    """(name, plan of `graph`) -> the plan compiled and priced (measure.MeasuredProgram):
+             ) -> Callable[[str, Plan], compiled.MeasuredProgram]:
+    """(name, plan of `graph`) -> the plan compiled and priced (compiled.MeasuredProgram):
     from the two `shallow` copies where the plan maps onto them (the module), else in full."""
-    dtype = measure.compute_dtype(graph)
+    dtype = compiled.compute_dtype(graph)
     widening = liveness.cpu_widening(graph) if targets.widens(mesh, hw) else 1.0
     maps = None
     if shallow is not None and layer_period(graph) == (shallow.layers, shallow.period):
         maps = [cut_map(graph, g, d) for g, d in zip(shallow.graphs, shallow.depths)]
         maps = None if None in maps else maps
 
-    def full(name: str, plan: Plan) -> measure.MeasuredProgram:
-        return measure.measure(graph, traced, plan, mesh, hw, name, donate_argnums, dtype,
+    def full(name: str, plan: Plan) -> compiled.MeasuredProgram:
+        return compiled.measure(graph, traced, plan, mesh, hw, name, donate_argnums, dtype,
                                widening)
 
-    def compile_one(name: str, plan: Plan) -> measure.MeasuredProgram:
+    def compile_one(name: str, plan: Plan) -> compiled.MeasuredProgram:
         cut = [map_plan(plan, m) for m in maps] if maps is not None else [None]
         if None in cut:
             return full(name, plan)
-        got = [measure.measure(g, t, p, mesh, hw, name, donate_argnums, dtype, widening)
+        got = [compiled.measure(g, t, p, mesh, hw, name, donate_argnums, dtype, widening)
                for g, t, p in zip(shallow.graphs, shallow.traced, cut)]
         if any(c.priced is None for c in got):
             return full(name, plan)
@@ -267,6 +267,6 @@ def compiler(graph: Graph, traced: TracedStep, shallow: Shallow | None, mesh,
             return full(name, plan)
         a, b = shallow.depths
         how = f"extrapolated from the step compiled at {a} and {b} of its {shallow.layers} layers"
-        return measure.MeasuredProgram(name, plan, priced, extrapolated=how)
+        return compiled.MeasuredProgram(name, plan, priced, extrapolated=how)
 
     return compile_one

@@ -1,7 +1,7 @@
 """SPMD pipeline planning (shardplan.emit.spmd runs what this plans): whether the step's loss
 runs its layers as one scan an SPMD pipeline can cut (`probe_spmd`), the stage mesh, and the
 pipeline's Plan assembled from the two intra-op plans on one stage's devices that
-shardplan.search.plan_spmd makes (the step at full batch, the step on one micro-batch) with
+shardplan.planning.pipelines.plan_spmd makes (the step at full batch, the step on one micro-batch) with
 the schedule's cost (shardplan.inter.spmd_cost). Nothing here runs the ILP or compiles."""
 
 from __future__ import annotations

@@ -5,13 +5,15 @@ import jax
 import pytest
 
 import shardplan
-from shardplan import measure
 from shardplan.analysis import targets
 from shardplan.cost.hardware import get_profile
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
 from shardplan.options import SearchOptions
-from shardplan.search import plan_step
+from shardplan.planning import compiled, select
+from shardplan.planning.expert_plans import expert_plans
+from shardplan.planning.intra_op import plan_graph, plan_step
+from shardplan.planning.job import Job
 from shardplan.strategies.spec import MeshShape
 from shardplan.units import Deadline
 from tests.conftest import auto_mesh
@@ -25,13 +27,15 @@ def _block():
                      ffn_dim=1024, num_layers=1, seq_len=64, dropout_rate=0.0)
 
 
-def _select(model, mesh, **kw):
+def _select(model, mesh, memory_budget=None):
+    """The searched plan (planned without a budget) judged by the measured selection."""
     traced = trace(model.fn, model.args, model.state_argnums, model.batch_argnums)
-    plan, graph, _ = plan_step(traced, MeshShape.of(mesh), A100,
-                               SearchOptions(state_argnums=model.state_argnums,
-                                             batch_argnums=model.batch_argnums))
-    return measure.select(graph, traced, plan, mesh, A100, donate_argnums=traced.state_argnums,
-                          **kw)
+    options = SearchOptions(state_argnums=model.state_argnums, batch_argnums=model.batch_argnums,
+                            measure=True, memory_budget=memory_budget)
+    job = Job.make(traced, MeshShape.of(mesh), A100, options, device_mesh=mesh)
+    plan, _ = plan_graph(job.replace(options=options.replace(memory_budget=None)))
+    kept = select.select(job, plan)
+    return kept, kept.candidates
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +49,9 @@ def test_kept_plan_is_never_slower_than_any_candidate(block_selection):
     assert names[0] == "searched" and {"data_parallel", "fsdp", "two_d"} <= set(names)
     assert all(c.priced is not None for c in candidates), [c.error for c in candidates]
     best = min(c.priced.total_s for c in candidates)
-    assert kept.estimate.total_s <= best * (1 + measure.MARGIN)
-    assert any(n.startswith("measured (compiled by XLA, priced as a100-80gb)") for n in kept.notes)
+    assert kept.estimate.total_s <= best * (1 + select.MARGIN)
+    assert any(n.startswith("measured (compiled by XLA:CPU") and "priced as a100-80gb" in n
+               for n in kept.notes), kept.notes
 
 
 def test_budget_excludes_candidates_that_do_not_fit(mesh2x4, block_selection):
@@ -56,18 +61,17 @@ def test_budget_excludes_candidates_that_do_not_fit(mesh2x4, block_selection):
     kept, again = _select(_block(), mesh2x4, memory_budget=budget)
     assert kept.estimate.peak_bytes <= budget
     fitting = [c.priced.total_s for c in again if c.priced.peak_bytes <= budget]
-    assert kept.estimate.total_s <= min(fitting) * (1 + measure.MARGIN)
+    assert kept.estimate.total_s <= min(fitting) * (1 + select.MARGIN)
 
 
 def test_expert_plans_run_like_the_single_device_step(mesh2x4):
     model = get_model("gpt", "tiny", batch_size=8, num_layers=1, dropout_rate=0.0)
     traced = trace(model.fn, model.args, model.state_argnums, model.batch_argnums)
-    plan, graph, _ = plan_step(traced, MeshShape.of(mesh2x4), A100)
-    propagated = measure.expert_plans(graph, plan)
+    job = Job.make(traced, MeshShape.of(mesh2x4), A100, SearchOptions())
+    plan, _ = plan_graph(job)
+    propagated = expert_plans(job, plan, complete=False)
     assert set(propagated) == {"data_parallel", "fsdp", "two_d"}
-    complete = measure.completer(graph, traced, MeshShape.of(mesh2x4), A100, SearchOptions(),
-                                 Deadline(60))
-    written = measure.expert_plans(graph, plan, complete=complete)
+    written = expert_plans(job, plan, deadline=Deadline(60))
     assert set(written) == set(propagated)
     want = jax.jit(model.fn)(*model.args)
     for name, expert in propagated.items():
@@ -89,12 +93,12 @@ def test_written_fsdp_gathers_weights_instead_of_splitting_activations(mesh2x4):
     traced = trace(model.fn, model.args, model.state_argnums, model.batch_argnums)
     mesh = MeshShape(("devices",), (8,))
     plan, graph, _ = plan_step(traced, mesh, A100)
-    complete = measure.completer(graph, traced, mesh, A100, SearchOptions(), Deadline(60))
+    job = Job.make(traced, mesh, A100, SearchOptions())
     devices = targets.cpu_mesh(mesh)
     sent = {}
-    for how, c in (("propagated", None), ("written", complete)):
-        fsdp = measure.expert_plans(graph, plan, complete=c)["fsdp"]
-        got = measure.measure(graph, traced, fsdp, devices, A100, how, traced.state_argnums)
+    for how, c in (("propagated", False), ("written", True)):
+        fsdp = expert_plans(job, plan, complete=c, deadline=Deadline(60))["fsdp"]
+        got = compiled.measure(graph, traced, fsdp, devices, A100, how, traced.state_argnums)
         sent[how] = got.priced.bytes_sent
     assert sent["written"] < sent["propagated"], sent
 
@@ -119,7 +123,7 @@ def test_compute_dtype_follows_the_flops():
     traced = trace(model.fn, model.args, model.state_argnums, model.batch_argnums)
     from shardplan.ir.lift import lift
 
-    assert measure.compute_dtype(lift(traced.closed_jaxpr, traced.arg_info)) == "bfloat16"
+    assert compiled.compute_dtype(lift(traced.closed_jaxpr, traced.arg_info)) == "bfloat16"
 
 
 def test_plan_over_budget_once_compiled_is_replanned_under_a_scaled_budget(monkeypatch):
@@ -137,19 +141,24 @@ def test_plan_over_budget_once_compiled_is_replanned_under_a_scaled_budget(monke
 
     def fake_measure(graph, traced, plan, mesh, hw, name, donate, dtype, widening=1.0):
         peak = compiled_peak[plan.solver]
-        return measure.MeasuredProgram(name, plan, PricedStep(1.0, 0.0, 1.0, peak, 0.0, {}))
+        return compiled.MeasuredProgram(name, plan, PricedStep(1.0, 0.0, 1.0, peak, 0.0, {}))
 
     asked = []
 
-    def replan(budget):
-        asked.append(budget)
-        return plan_with(budget * 0.9, "again")
+    def replan(job, *, ilp_budget=None, deadline=None):
+        asked.append(ilp_budget)
+        return plan_with(ilp_budget * 0.9, "again"), None
 
-    monkeypatch.setattr(measure, "measure", fake_measure)
-    monkeypatch.setattr(measure, "expert_plans", lambda graph, plan, pinned=None, complete=None: {})
-    monkeypatch.setattr(measure, "compute_dtype", lambda graph: "float32")
-    kept, candidates = measure.select(None, None, plan_with(60.0, "first"), None, A100,
-                                      memory_budget=100.0, replan=replan)
+    monkeypatch.setattr(compiled, "measure", fake_measure)
+    monkeypatch.setattr(select, "plan_graph", replan)
+    monkeypatch.setattr(select, "expert_plans", lambda job, plan, **kw: {})
+    monkeypatch.setattr(select, "compute_dtype", lambda graph: "float32")
+    m = _block()
+    traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
+    job = Job.make(traced, MeshShape(("x",), (8,)), A100,
+                   SearchOptions(memory_budget=100.0, measure=True))
+    kept = select.select(job, plan_with(60.0, "first"))
+    candidates = kept.candidates
     assert asked == [pytest.approx(0.98 * 100 * 60 / 120)]
     assert [c.name.split(" ")[0] for c in candidates] == ["searched", "searched-1"]
     assert kept.solver == "again" and kept.estimate.peak_bytes == 95.0
@@ -159,24 +168,13 @@ def test_an_expert_completed_on_its_own_seconds_is_laid_out_when_the_shared_time
     """The benchmark's baselines: completed within a shared deadline that the search used up,
     FSDP's completion is the search's cut-short fallback (GPT at test size on 2x4: 9.06 ms by
     the estimate); given seconds of its own, the ILP's optimum around its inputs (3.13 ms)."""
-    from shardplan import measure as measure_mod
-    from shardplan.cost.hardware import get_profile
-    from shardplan.ir.lift import LiftOptions, lift
-    from shardplan.ir.trace import trace
-    from shardplan.models import get_model
-    from shardplan.options import DEFAULTS
-    from shardplan.search import plan_step
-    from shardplan.strategies.spec import MeshShape
-    from shardplan.units import Deadline
-
     m = get_model("gpt", abstract=True)
     traced = trace(m.fn, tuple(m.args), m.state_argnums, m.batch_argnums)
-    graph = lift(traced.closed_jaxpr, traced.arg_info, LiftOptions())
-    mesh, hw = MeshShape(("data", "model"), (2, 4)), get_profile("cpu")
-    plan = plan_step(traced, mesh, hw, DEFAULTS)[0]
+    job = Job.make(traced, MeshShape(("data", "model"), (2, 4)), get_profile("cpu"),
+                   SearchOptions())
+    plan = plan_graph(job)[0]
 
     def fsdp(deadline):
-        complete = measure_mod.completer(graph, traced, mesh, hw, DEFAULTS, deadline)
-        return measure_mod.expert_plans(graph, plan, complete=complete)["fsdp"].estimate.total_s
+        return expert_plans(job, plan, deadline=deadline)["fsdp"].estimate.total_s
 
     assert fsdp(30.0) < 0.5 * fsdp(Deadline(0.0))

@@ -1,0 +1,39 @@
+"""The rematerialized candidate: the step with its scanned layers rematerialized
+(TracedStep.rematerialized, shardplan.ir.remat), the plan marked with it, and the step a plan
+runs. Which of the two steps is planned is the driver's choice (SearchOptions.remat,
+shardplan.planning.driver); the choice is the plan's `remat`: running or adopting a plan
+rewrites the step as its plan says."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardplan.ir.trace import TracedStep
+from shardplan.plan import Plan
+from shardplan.units import fmt_bytes
+
+
+def traced_for(plan: Plan, traced: TracedStep) -> TracedStep:
+    """The step `plan` runs: `traced` rewritten as the plan's `remat` says."""
+    if not plan.remat:
+        return traced
+    remat = traced.rematerialized
+    if remat is None:
+        raise ValueError("the plan rematerializes the step's scanned layers, but this step has no "
+                         "differentiated scan to rewrite (another step?): plan the step again "
+                         "(shardplan.auto without plan=, or shardplan.search)")
+    return remat
+
+
+def noted(plan: Plan, note: str) -> Plan:
+    return dataclasses.replace(plan, notes=(*plan.notes, note))
+
+
+def marked(plan: Plan, remat: TracedStep, why: str) -> Plan:
+    r = remat.remat
+    note = (f"scanned layers rematerialized ({why}): {r.pairs} differentiated scan(s) "
+            f"rewritten, the backward pass recomputes each layer from its input: "
+            f"{fmt_bytes(r.saved_bytes)} of stacked activations dropped, "
+            f"{fmt_bytes(r.carry_bytes)} of stacked layer inputs kept (whole arrays, before "
+            "sharding)")
+    return dataclasses.replace(plan, remat=True, notes=(*plan.notes, note))
