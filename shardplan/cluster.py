@@ -27,8 +27,9 @@ from shardplan.units import fmt_bytes, fmt_seconds
 _CLUSTER = re.compile(r"(?P<profile>.+?)(?:-(?P<n>\d+))?$")
 MAX_AUTO_DEVICES = 2**20
 """Most devices `mesh_shape="auto"` (and a config's `mesh: {devices: N}`) factorises: the
-factorisations are found by trial division, linear in the count (10**8 devices took 11 s
-before any plan); a fixed mesh_shape has no such limit."""
+factorisations are found by trial division, linear in the count, so a larger count is
+refused at once (tests/test_hardening.py::test_auto_mesh_of_a_huge_device_count_is_refused_at_once);
+a fixed mesh_shape has no such limit."""
 
 
 def parse_cluster(cluster: str) -> tuple[HardwareProfile, int | None]:

@@ -123,7 +123,8 @@ class HardwareProfile:
 
     def _one_host(self, mesh: MeshShape, i: int, n: int) -> bool:
         """Whether every group along axis `i` of `mesh`, devices 0..n-1 in row-major order,
-        sits on one host, in O(1) at any n (a mesh of 10**8 devices is planned in seconds):
+        sits on one host, in O(1) at any n (so a fixed mesh of a million devices plans:
+        tests/test_hardening.py::test_a_fixed_mesh_of_a_million_devices_plans_in_seconds):
         a block of stride x size consecutive devices holds whole groups and its first and
         last device share a group's row span, so the groups stay inside hosts iff every
         block does (the loop of axis_links agrees on random meshes:

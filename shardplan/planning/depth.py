@@ -2,12 +2,12 @@
 down to k and k + 1 of its repeated layers, every priced figure extrapolated linearly to its
 depth.
 
-Compiling a 48-layer step (GPT-2 1.5B) on 8 CPU devices took 154 s for one candidate here
-(loaded machine), and the measured selection compiles four or five (the CLI took over 540 s):
-most of that time is one layer compiled 48 times. An unrolled stack of identical layers adds the same program per layer:
-the same flops, bytes, collectives and buffers, so each priced figure is a + b * layers. Two
-compiles of the cut-down step (k and k + 1 layers) give a and b; the deep step's figure is
-read off the line. tests/test_depth.py checks it against the full compile (GPT, 8 layers).
+The measured selection compiles every candidate, and compiling an unrolled step grows with
+its depth: most of a deep step's compile is one layer compiled again for every layer. An
+unrolled stack of identical layers adds the same program per layer: the same flops, bytes,
+collectives and buffers, so each priced figure is a + b * layers. Two compiles of the
+cut-down step (k and k + 1 layers) give a and b; the deep step's figure is read off the line
+(tests/test_depth.py::test_extrapolated_candidates_agree_with_the_full_compile: GPT, 8 layers).
 
 Where it applies, and nothing else: the plan maps node for node onto the cut-down step. The
 layers are found by the `layer_<i>` scope of the nodes (the zoo's unrolled blocks; the
@@ -44,10 +44,10 @@ MIN_LAYERS = 6
 
 def cut_depths(period: int, least: int = 1) -> tuple[int, int]:
     """The two depths to compile a step whose layers repeat every `period` at: the first
-    multiple of the period from `least`, and one period more. From 0 (no layer) the figures
-    are off by up to 12% (peak bytes, FSDP on GPT at test size: the first layer is not
-    priced like the embedding's neighbour without it); from 1 and 2 they agree with the full
-    compile as from 2 and 3 (tests/test_depth.py), compiling two layers fewer."""
+    multiple of the period from `least`, and one period more. Not from 0 (no layer): the
+    first layer is not priced like the embedding's neighbour without it, so a line through
+    0 and 1 misses the peak bytes; from 1 and 2 the figures agree with the full compile
+    (tests/test_depth.py::test_extrapolated_candidates_agree_with_the_full_compile)."""
     first = -(-least // period) * period
     return first, first + period
 
