@@ -69,8 +69,8 @@ class ProgramStats:
     max(flops / peak, HBM bytes / HBM bandwidth), nothing overlapped, a collective charged
     the HBM bytes it reads and writes (not its ICI time, whatever its group), a while body
     counted once (test_analysis_tpu.py::test_optimal_seconds_is_a_sum_of_rooflines). The
-    compiler charges each "ConcatBitcast" custom call -1 s (a 1-layer GPT-2 on v5e 2x4: 27 of
-    them, -26.994 s); they are added back here (CONCAT_BITCAST)."""
+    compiler charges each "ConcatBitcast" custom call -1 second; they are added back here
+    (CONCAT_BITCAST; test_analysis_tpu.py::test_optimal_seconds_has_no_negative_charges)."""
 
     def formed(self) -> ProgramStats:
         """The program as a GPU or TPU compiler would run it: every "all-reduce, keep a
@@ -142,7 +142,7 @@ def _devices(compiled: Any, num_devices: int) -> list | None:
     return None
 
 
-# The TPU compiler's cost analysis charges each of these custom calls -1 s (ProgramStats
+# The TPU compiler's cost analysis charges each of these custom calls -1 second (ProgramStats
 # .optimal_seconds; tests/test_analysis_tpu.py::test_optimal_seconds_has_no_negative_charges).
 CONCAT_BITCAST = 'custom_call_target="ConcatBitcast"'
 

@@ -7,17 +7,17 @@ its result on every backend (cuBLAS, the TPU's MXU, XLA:CPU's Eigen), so its tra
 same wherever the program is compiled, but for the width of 16-bit floats, which XLA:CPU
 widens to f32 around a bf16 dot (contraction_traffic tells those bytes apart). The traffic
 of elementwise and reduction fusions is not: XLA:CPU draws smaller fusions than XLA:GPU or
-XLA:TPU (measured on GPT-2 124M on 8 CPU devices: 44 GB `bytes accessed` per device against
-16 GB for one fusion per run of fusible ops), so the CPU figure would price the
-accelerator's elementwise work at the CPU's fusion.
+XLA:TPU (several times the bytes of one fusion per run of fusible ops: benchmarks/
+model_check.py), so the CPU figure would price the accelerator's elementwise work at the
+CPU's fusion.
 Instruction bytes are counted as HloCostAnalysis counts them (operands + result), which
 matches `compiled.cost_analysis()['bytes accessed']` instruction by instruction, but for a
 fusion that holds a contraction only the operands its contractions read (through whatever
 else is fused) count: XLA:CPU's dot fusions also take in elementwise work on the dot's
 result, with that work's own operands (the gradient of a softmax fused after the dot of
-`dO @ v.T` reads the probabilities and the row sums as well: llama's attention at 2048
-tokens, 1.14 GB against the dot's 0.60 GB), traffic the other backends run in fusions of
-their own, which neither side counts; and the dot's own result where more is fused after it.
+`dO @ v.T` reads the probabilities and the row sums as well), traffic the other backends
+run in fusions of their own, which neither side counts; and the dot's own result where more
+is fused after it (tests/test_model_agrees.py::test_a_dot_fused_with_what_follows_it_is_priced_as_the_dot).
 A cast to 16 bits fused before or after the dot (an f32 kernel's bf16 copy) is a 16-bit read
 or write on an accelerator, as the widened bytes of XLA:CPU's bf16 dots are.
 """

@@ -6,11 +6,11 @@ A collective over several axes is one ring over all their devices at the slowest
 links (shardplan.cost.ring). Resharding compares plans that gather or move axes together or
 one at a time, so with per-axis links it can still send the large buffers over the fast axes.
 
-Against XLA (jax 0.10.2, 8 CPU devices, every pair of specs of a 64x128 f32 array on 2x4 and
-2x2x2 meshes): led through `reshard_path` with sharding constraints, XLA sends exactly the
-predicted bytes in every case; given only src and dst it matches in about two thirds of them,
-sends more in a quarter (it replicates and re-slices) and less in the rest (it splits a mesh
-axis into sub-axes, which these plans do not).
+Led through `reshard_path` with sharding constraints, XLA sends exactly the predicted bytes
+(tests/test_cost_collectives.py::test_reshard_path_leads_xla_to_the_model); given only src
+and dst it matches in most cases (test_reshard_matches_xla), and elsewhere sends more (it
+replicates and re-slices) or less (it splits a mesh axis into sub-axes, which these plans do
+not).
 """
 
 from __future__ import annotations
@@ -216,8 +216,8 @@ def _op_sequences(src: ShardSpec, dst: ShardSpec, mesh: MeshShape, forms_rs: boo
         return [_Op("slice", (a,), to=dst_pos[a][0]) for a in sorted(axes, key=dst_pos.get)]
 
     # The axes scattered onto one dimension are reduce-scattered by one collective over all
-    # of them, as XLA does (measured: [64, 128] partial over data and model into
-    # [(data, model), -] on 2x4, one reduce-scatter over the 8 devices), as they are gathered.
+    # of them, as XLA does and as they are gathered
+    # (tests/test_cost_collectives.py::test_partial_sums_over_two_axes_match_xla).
     rs_orders = []
     for key in (dst_pos.get, lambda a: -rank[a]):
         groups = {}
@@ -237,10 +237,8 @@ def _op_sequences(src: ShardSpec, dst: ShardSpec, mesh: MeshShape, forms_rs: boo
             [_Op("a2a", tuple(g), frm=src_dim[g[0]], to=dst_pos[g[0]][0]) for g in groups.values()]
         )
     # The axes a dimension drops are gathered by one all-gather over all of them, as XLA
-    # does (measured: GPT-2 124M on 8x8 A100s, the updated [-, (data, model)] embedding
-    # written back whole ran as one all-gather over the 64 devices, on the inter-host link;
-    # priced as a permute and an all-gather over `data` then one over `model`, the plan's
-    # step compiled to 1.5x its estimate).
+    # does, at the slowest of their links, not as a permute and an all-gather per axis
+    # (tests/test_cost_collectives.py::test_a_dimension_split_on_two_axes_is_gathered_by_one_all_gather).
     gather_orders = []
     for sign in (1, -1):
         groups = {}
@@ -313,9 +311,9 @@ def _simulate(ops, shape, itemsize, src, dst, mesh, force_at=None) -> Plan | Non
         if op.kind == "rs":
             # Reduce-scatters onto different dimensions each reduce the buffer as the ones
             # onto the other dimensions left it: XLA all-reduces the whole partial sum over
-            # each axis before slicing (measured: [64, 128] partial over data and model into
-            # [data, model] on 2x4, two reduce-scatters of the whole 32 KiB, 40 KiB sent,
-            # not 28 KiB; into [(data, model), -] one reduce-scatter over both, 28 KiB).
+            # each axis before slicing, so two reduce-scatters onto two dimensions send more
+            # than one over both axes onto one
+            # (tests/test_cost_collectives.py::test_partial_sums_over_two_axes_match_xla).
             base = nbytes * math.prod(n for d, n in run.items() if d != op.to)
             comm = Collective("reduce-scatter", op.axes, base)
             run[op.to] = run.get(op.to, 1) * size

@@ -13,7 +13,7 @@ from shardplan.ir.graph import Graph, Node, Value
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
-# Ops XLA fuses into loop or input fusions with their neighbours (intra/memory.py: their
+# Ops XLA fuses into loop or input fusions with their neighbours (intra/memory/model.py: their
 # intermediates are never live in memory on their own).
 FUSED = frozenset(name for name, info in primitives.PRIMITIVES.items() if info.fusible)
 # The ops whose memory traffic the compute time charges: what analysis/hlo_bytes.py counts
@@ -29,18 +29,19 @@ class AlphaBetaCost:
     flops / peak + (contraction bytes + the step's I/O bytes) / mem_bandwidth, where
     contraction bytes are what every dot and convolution reads and writes and I/O bytes what
     the step reads as arguments and writes as results (analysis/hlo_bytes.py; the I/O is
-    charged on the input members and untied outputs, intra/problem.py input_io_time). Without
-    the I/O, a replicated optimizer state updated on every device cost nothing beyond its
-    flops, and Alpa's wide MLP (tests/test_alpa_mlp.py) planned everything replicated (40 us)
-    over Megatron (72 us with its 5 all-reduces); with it, replicated is 115 us and Megatron
-    91 us, as the compiled programs price. A sum of the two terms
-    rather than a roofline max: per op it is within 2x of the roofline, and close to it for
-    the ops that dominate (a large dot is flop-bound, an elementwise op has no flops to
+    charged on the input members and untied outputs, intra/problem.py input_io_time). The
+    I/O term is what makes a replicated optimizer state, updated on every device, cost more
+    than its flops: with it Alpa's wide MLP plans Megatron, as the compiled programs price it
+    (tests/test_alpa_mlp.py::test_small_batch_wide_layers_is_megatron). A sum of the two
+    terms rather than a roofline max: per op it is within 2x of the roofline, and close to it
+    for the ops that dominate (a large dot is flop-bound, an elementwise op has no flops to
     speak of). Elementwise and reduction traffic is left out on both sides: how XLA fuses
-    them differs between backends, and the planner's graph cannot see those boundaries
-    (charging every fusible run of ops one fusion counted 16 GB against XLA:CPU's 44 GB on
-    GPT-2 124M; dots alone agree to the byte). The model's flops match cost_analysis()'s
-    (GPT-2 124M on 8 devices: 8.905e11 against 8.93e11)."""
+    them differs between backends, and the planner's graph cannot see those boundaries; dots
+    alone agree to the byte
+    (tests/test_model_agrees.py::test_contraction_bytes_count_a_dot_as_cost_analysis_does).
+    The model's flops are cost_analysis()'s per primitive
+    (tests/test_ir_primitives.py::test_flops_match_xla); benchmarks/model_check.py sets the
+    whole estimate against the compiled zoo."""
 
     def __init__(self, mesh: MeshShape, hardware: HardwareProfile, device_order=None):
         self.mesh = mesh
@@ -122,7 +123,7 @@ class AlphaBetaCost:
 
     @property
     def combined_kinds(self) -> frozenset[str]:
-        """Collective kinds XLA's all-reduce combiner merges when independent (intra/combiner.py):
+        """Collective kinds XLA's all-reduce combiner merges when independent (intra/combiner/xla.py):
         all-reduces, and the reduce-scatters an accelerator forms of them (analysis/price.py
         prices the sliced part of XLA:CPU's combined all-reduce as a reduce-scatter there)."""
         return frozenset({"all-reduce", "reduce-scatter"} if self.hardware.forms_reduce_scatter
