@@ -103,8 +103,8 @@ def pipelined_scan(eqn, ins: Sequence, micro_eqn, mesh: Mesh, num_stages: int,
             write = last & (m >= 0)
             at = jnp.clip(m, 0, M - 1)
             # one slot written, never the stack read or selected whole (a select over the
-            # stack every tick, or a read of it, XLA laid out split and gathered back per
-            # tick: 1 GiB at GPT 6.7B on 8x8); before its micro-batch (m < 0) slot 0 is
+            # stack every tick, or a read of it, XLA lays out split and gathers back every
+            # tick); before its micro-batch (m < 0) slot 0 is
             # written zeros, and its own write comes later; other stages write zeros
             outs = [jax.lax.dynamic_update_index_in_dim(o, jnp.where(write, v, 0), at, 0)
                     for o, v in zip(outs, y)]

@@ -5,8 +5,8 @@ The SPMD pipeline runs the scan's layer body inside shard_map, its operands held
 the stage's plan reads them in (stage_body.stage_layers). Differentiated as it is, the body's
 backward runs in the forward's layouts: each constraint transposes to the same constraint on
 the cotangent, so a weight the forward reads whole gets its gradient all-reduced whole, every
-layer and tick (GPT 6.7B on 8x8, 4 stages: 47 GB per device per step), where the plan computes
-it split over its output dimension from the gathered activation and reduces nothing. Here a
+layer and tick, where the plan computes it split over its output dimension from the gathered
+activation and reduces nothing (benchmarks/pipeline_bench.py --spmd prices both). Here a
 layer runs as a custom_vjp: its forward holds its operands (forward only: `forward_held`), and
 its backward is the vjp of the layer traced as a jaxpr (residuals and cotangents its
 arguments) bound again equation by equation, its operands held in the layouts the plan's
@@ -133,7 +133,7 @@ def with_backward(forward: Callable, specs: Mapping[tuple[int, int], Any],
     r in specs[(i, -1 - r)]; an argument k the backward keeps as a residual (a weight) held
     there in residual_specs[k], the layout it was read in before the loop: left free, XLA
     lays the backward loop's copy out as one reader wants it and gathers it for another at
-    every iteration (GPT 6.7B on 8x8, 4 stages: fc1's and qkv's weights, per layer and tick)."""
+    every iteration."""
     trees = []  # the pullback's structure, from the forward's trace (static: one shape)
     residual_specs = dict(residual_specs or {})
 

@@ -286,8 +286,8 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
         kind = "reduce-scatter" if split and hw.forms_reduce_scatter else "all-reduce"
         return ring.collective_time(kind, b, axes, mesh, links)
 
-    # (one the stack reads reduced is reduced at every layer in B already: GPT 6.7B on 8x8,
-    # 2 stages, counted twice, 0.66 s of the estimate's 1.65 s)
+    # (one the stack reads reduced is reduced at every layer in B already, and not counted
+    # here again)
     per_layer = math.fsum(reduce(b, axes, split)
                           for b, axes, split, held in small.partial_grads if held)
     grad_reduce = ticks * per_layer * lt.scan.length / S
@@ -298,8 +298,8 @@ def spmd_cost(full: Priced, stage: Priced | None, lt: LossTrace, mesh: MeshShape
     sub = full.intra.mesh
     stacked = set(lt.scan.xs_shapes)
     # the updated state moved into its own layout (the plan's output edges, in `rest` and in
-    # no op row): a stage moves 1/S of the stacked layers' (GPT 6.7B with 8 layers on 8x8, 2
-    # stages: 0.25 s for the whole stack, that a partial gradient counted once cancelled)
+    # no op row): a stage moves 1/S of the stacked layers'
+    # (tests/test_inter_spmd_cost.py::test_the_estimate_is_the_compiled_program_within_10_percent)
     outs = {j for j, v in enumerate(full.graph.outputs) if full.graph.values[v].shape in stacked}
     written = math.fsum(ring.collective_time(c.kind, c.nbytes, c.axes, mesh, links)
                         for where, c in full.intra.comms

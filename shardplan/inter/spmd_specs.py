@@ -35,8 +35,7 @@ def stacked_specs(stage: Priced, lt: LossTrace) -> dict[int, ShardSpec]:
     several share a shape, the dimensions all of them split alike). The pipeline holds a
     stage's parameters so before its loop of ticks and keeps them so for the backward: a
     weight the plan gathers once for all layers, XLA would otherwise keep split in the
-    backward loop and gather at every layer and tick (GPT 6.7B on 8x8, 4 stages: fc1's and
-    qkv's weights, 1.5 s priced)."""
+    backward loop and gather at every layer and tick."""
     found = _outer_loop(stage, lt, backward=True)
     if found is None:
         return {}
@@ -68,8 +67,9 @@ def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], Sh
     its nodes in order by primitive and output shapes (an equation not found, or a call such as
     remat whose body the graph inlined, is left to XLA). Partial specs are left out. A
     matmul's result too, under (i, -1): its operands alone held, XLA may compute it in another
-    layout (GPT 6.7B on 8x8, 2 stages: the activation gathered whole for qkv's matmul at every
-    layer and tick, where the plan computes it by sequence and moves the result all-to-all)."""
+    layout (the activation gathered whole at every layer and tick, where the plan computes it
+    by sequence and moves the result all-to-all:
+    tests/test_spmd_pipeline.py::test_a_dot_gives_its_result_in_the_plans_layout)."""
     found = _outer_loop(stage, lt, backward=False)
     if found is None:
         return {}
@@ -91,8 +91,9 @@ def body_backward_specs(stage: Priced, lt: LossTrace,
     its layouts (`forward`, body_operand_specs) gives every layer parameter's gradient in
     the layout the plan's backward gives it: a constraint transposes to the same constraint
     on the cotangent, so a weight the forward reads whole gets its gradient reduced whole
-    where the plan computes it split (GPT 6.7B on 8x8, 4 stages: a 576 MB all-reduce per
-    layer and tick)."""
+    where the plan computes it split, every layer and tick
+    (tests/test_spmd_pipeline.py::test_scanned_gpt_spmd_pipeline_equals_the_single_device_step
+    runs a GPT whose plan differs so)."""
     found = _outer_loop(stage, lt, backward=True)
     if found is None:
         return {}

@@ -117,14 +117,14 @@ def spmd_plan(intra: Plan, full: spmd_cost.Priced, stage: spmd_cost.Priced | Non
     carries = spmd_cost.carry_specs(stage, lt) if stage is not None else None
     inside = spmd_specs.body_operand_specs(stage, lt) if stage is not None else {}
     # the layers' backward in the plan's layouts, the stacked parameters kept where it slices
-    # them (GPT 6.7B with 8 layers on 8x8, 4 stages, compiled and priced: GPipe 1.48 s -> 1.09
-    # s, 1F1B, whose autodiff all-reduced whole weights' gradients per layer and tick, 2.30 s
-    # -> 1.51 s)
+    # them: autodiff of the forward's layouts would reduce whole weights' gradients every
+    # layer and tick (benchmarks/pipeline_bench.py --spmd)
     back = (spmd_specs.body_backward_specs(stage, lt, inside)
             if stage is not None and inside else {})
     # 1F1B runs the head and loss every tick inside its loop: in the micro-batch plan's
-    # layouts (GPipe runs them once at full batch outside, where XLA's own layouts measured
-    # as well or better: at GPT 6.7B 8x8 within 3%, on a small GPT 1.03x against 1.19x)
+    # layouts (tests/test_inter_spmd_cost.py::test_1f1b_runs_the_head_every_tick_in_the_stage_plans_layouts);
+    # GPipe runs them once at full batch outside, in XLA's own layouts, which price as well
+    # or better (benchmarks/pipeline_bench.py --spmd)
     head = (spmd_specs.post_operand_specs(stage, lt)
             if sched == "1f1b" and stage is not None else {})
     inside.update({(stage_body.post_key(i), j): spec for (i, j), spec in head.items()})
