@@ -4,6 +4,11 @@ seconds between runs under different load), whether the plan is proven optimal, 
 
     PYTHONPATH=. JAX_PLATFORMS=cpu .venv/bin/python benchmarks/plan_speed.py [--only NAME ...]
 
+The garbage collector is paused while planning (shardplan.gcpause): on the unrolled
+gpt2-1.5b on 8x8, ten full collections took 2.0 of 11.7 CPU seconds (gc.callbacks), the peak
+memory the same paused (615 against 618 MB), about 0.3 M objects left in cycles for the
+collector's next run.
+
 Targets: gpt2-1.5b scanned on 8x8 under 10 s and within 1.5x of 2 layers; unrolled under 10 s;
 llama-7b on 8x8 under 20 s; gpt2-124m on 2x4 in seconds.
 """

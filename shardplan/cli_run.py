@@ -90,7 +90,7 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
     meshes = config.cluster.mesh.candidates()
     # Several meshes: compared by the cost model (within 10% of the compiled programs:
     # tests/test_model_agrees.py), the candidates compiled on the kept one only (compiling
-    # them on every mesh tripled the time of a config with a device count).
+    # is the dear part of a search: once per candidate, not once per candidate and mesh).
     per_mesh = options.replace(measure=False)
     best, tried, infeasible = None, {}, []
     for names, sizes in meshes:

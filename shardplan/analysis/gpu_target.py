@@ -8,7 +8,7 @@ need are copied in gpu_specs/ (Apache-2.0, origin in each file's header). `jax.j
 .compile()` on a mesh of these devices runs the XLA:GPU pipeline, nothing runs on a GPU:
 `memory_analysis()` and `as_text()` are the GPU program's (bf16 kept, reduce-scatters formed,
 async collectives), `cost_analysis()` is empty. The NVIDIA wheels `jax[cuda12]` pulls (cuDNN,
-cuBLAS, NCCL...) are not needed to compile (tests/test_gpu_target.py ran without them).
+cuBLAS, NCCL...) are not needed to compile (tests/test_gpu_target.py runs without them).
 
 Without a GPU the plugin's CUDA check (cuInit) fails when JAX loads its plugins, and JAX then
 knows no "cuda" topology, unless JAX_PLATFORMS leaves cuda out (JAX_PLATFORMS=cpu) or

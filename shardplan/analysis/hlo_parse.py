@@ -113,7 +113,7 @@ def _parse_instr(line: str) -> Instr | None:
         return None
     k = _close(line, m2.end() - 1)
     # XLA marks every fifth operand with a comment (`/*index=5*/%x`): dropped, so that an
-    # operand's last word is its name (a partition-id read at index 5 went unseen)
+    # operand's last word is its name (tests/test_analysis_hlo.py::test_operand_comments_are_not_names)
     operands = _OPERAND_COMMENT.sub("", line[m2.end():k - 1])
     return Instr(m.group(1), shape, m2.group(1), operands, _parse_attrs(line[k:].lstrip(", ")))
 

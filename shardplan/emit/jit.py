@@ -22,9 +22,9 @@ class _Constraints:
 
     Operands of top-level nodes that move one value through the same layouts share one
     chain of constraints, as the plan prices one reshard per value and layout
-    (intra/estimate.py): given a chain per reader, XLA ran the first step once but a final
-    collective-permute once per reader (WResNet 250M on 2x4: Adam's two moments read each
-    gradient through [(model, data)] -> [(data, model)], 94 permutes against 211 priced).
+    (intra/estimate.py): given a chain per reader, XLA runs the first step once but a final
+    collective-permute once per reader
+    (tests/test_emit_jit.py::test_readers_moving_a_value_through_the_same_layouts_share_one_reshard).
     Inside loop bodies, traced apart, every reader keeps its own chain."""
 
     def __init__(self, values, operands, top: frozenset[int] = frozenset()):

@@ -188,17 +188,17 @@ def select_and_scatter(ins, outs, params) -> float:
 
 def random_bits(ins, outs, params) -> float:
     """Partitionable threefry: 143 integer ops per 32-bit word, and 2 more per dimension for
-    the word's counter. XLA:CPU runs the rounds in a while loop of 5 trips: measured (jax
-    0.10.2, 4096 words of 1 to 4 dimensions) 45 + 2 x ndim per word in cost_analysis(), which
-    counts the loop body once, and 100 more per word over the other 4 trips (what
-    analysis/hlo.py adds as loop_flops and the pricer charges)."""
+    the word's counter. XLA:CPU runs the rounds in a while loop of 5 trips: cost_analysis()
+    counts its body once, 45 + 2 x ndim per word, and the other 4 trips add 100 per word
+    (what analysis/hlo.py adds as loop_flops and the pricer charges;
+    tests/test_ir_primitives.py::test_flops_match_xla)."""
     out = outs[0]
     return float(size(out)) * (143 + 2 * len(out))
 
 
 def random_split(ins, outs, params) -> float:
     """Threefry per new key: 144 ops each and 53 to set up (the rounds' loop at its 5 trips,
-    as random_bits; measured for 4, 16 and 1024 keys)."""
+    as random_bits; tests/test_ir_primitives.py::test_flops_match_xla)."""
     return 144.0 * size(outs[0]) + 53.0
 
 

@@ -36,8 +36,9 @@ class PrimitiveInfo:
     """Its sharding choice matters on its own: never merged into its operand's as a follower."""
     linear: tuple[int, ...] = ()
     """Operands it is linear in, each alone with the others whole: a partial sum there
-    passes to the output. Only where the partitioner keeps it partial (measured): add is
-    linear in both together, but XLA reduces each operand before the add."""
+    passes to the output. Only where the partitioner keeps it partial: add is linear in
+    both together, but XLA reduces each operand before the add
+    (tests/test_strategies_elementwise.py::test_partial_sums_pass_only_through_linear_ops)."""
     why: str = ""
     """Why a primitive of the "replicated" family runs whole on every device on purpose (empty
     for primitives the table does not know: those are reported as unintended)."""
@@ -87,7 +88,7 @@ _ELEMENTWISE = {
     "integer_pow": PrimitiveInfo("elementwise", F.integer_pow, fusible=True),
     # Horner's rule: a multiply and an add per coefficient past the first, per element.
     "polynomial": PrimitiveInfo("elementwise", F.polynomial, fusible=True),
-    # Expanded by JAX into many ops; not measured yet: one flop per element.
+    # Expanded by JAX into many ops, priced at one flop per element (not matched to XLA's).
     **_table("elementwise", "regularized_incomplete_beta", fusible=True),
 }
 _ELEMENTWISE = {n: dataclasses.replace(i, linear=_LINEAR.get(n, ())) for n, i in

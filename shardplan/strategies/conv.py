@@ -54,8 +54,9 @@ def conv_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]:
             continue  # a split inside a group
         if bgc > 1 and in_feat and len(set(batch + out_feat + in_feat + group)) < len(
                 mesh.useful_axes()):
-            # measured: XLA sums a batch-grouped convolution's partial results over the
-            # devices it leaves replicated too (in:model on 2x4 gave twice the sum)
+            # XLA sums a batch-grouped convolution's partial results over the devices it
+            # leaves replicated too, a multiple of the sum (tests/test_strategies_conv.py
+            # compiles every strategy offered against what it declares)
             continue
         lhs_dims, rhs_dims, out_dims = [()] * lhs.ndim, [()] * rhs.ndim, [()] * out.ndim
         lhs_dims[lb] = out_dims[ob] = batch

@@ -47,10 +47,11 @@ def shared_spec_strategies(node: Node, graph: Graph, mesh: MeshShape) -> list[St
 def linear_carriers(node: Node, graph: Graph) -> list[tuple[int, ...]]:
     """The sets of inputs that may carry a partial sum into this elementwise node: each
     operand the primitive is linear in, alone (add and sub are left out: XLA's SPMD
-    partitioner reduces each operand before the add, measured with jax 0.10.2 on
-    `a @ b + c @ d` with the contraction split, so offering it would price one all-reduce
-    where the program runs two), nor a convert that widens (XLA reduces a bf16 dot's partial
-    sum in bf16, where the dot makes it, not in the f32 the convert makes of it)."""
+    partitioner reduces each operand before the add, so offering it would price one
+    all-reduce of `a @ b + c @ d` with the contraction split where the program runs two),
+    nor a convert that widens (XLA reduces a bf16 dot's partial sum in bf16, where the dot
+    makes it, not in the f32 the convert makes of it;
+    tests/test_strategies_elementwise.py::test_partial_sums_pass_only_through_linear_ops)."""
     if node.primitive == "convert_element_type" and _widens(node, graph):
         return []
     return [(k,) for k in primitives.info(node.primitive).linear if k < len(node.inputs)]
