@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from shardplan import progress as progress_mod
 from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.strategies.spec import ShardSpec
 from shardplan.units import Deadline
@@ -27,10 +28,16 @@ class SolverSettings:
     solver_seed: int = DEFAULTS.solver_seed
     workers: int = DEFAULTS.workers
     deterministic: bool = DEFAULTS.deterministic
+    # Told each solve's phases and incumbent / bound (shardplan.progress); it only listens,
+    # so it is no part of the settings' equality.
+    progress: progress_mod.Reporter = dataclasses.field(default=progress_mod.SILENT,
+                                                         compare=False, repr=False)
 
     @classmethod
-    def of(cls, options: SearchOptions) -> SolverSettings:
-        return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
+    def of(cls, options: SearchOptions,
+           progress: progress_mod.Reporter = progress_mod.SILENT) -> SolverSettings:
+        return cls(options.time_limit, options.solver_seed, options.workers,
+                   options.deterministic, progress)
 
     def replace(self, **changes) -> SolverSettings:
         return dataclasses.replace(self, **changes)
