@@ -1,7 +1,8 @@
 """The flops a compiled program's while loops run beyond their first iteration.
 
-`compiled.cost_analysis()` counts a while body once, whatever its trip count (checked on
-jax 0.10.2: a scan of 10 matmuls reports the flops of one). A scan over layers, a pipeline's
+`compiled.cost_analysis()` counts a while body once, whatever its trip count (a scan of
+matmuls reports the flops of one: tests/test_analysis_hlo_flops.py::
+test_a_scan_costs_its_unrolled_layers). A scan over layers, a pipeline's
 loop of ticks, an optimizer's loop: all would look 1/trips as dear as they run. This module
 counts the flops of the partitioned HLO itself (HloCostAnalysis's rules for the ops that
 matter: a dot is 2 x result elements x contracted size; an elementwise op or a reduce one flop
