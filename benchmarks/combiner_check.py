@@ -1,4 +1,4 @@
-"""Does the estimate's all-reduce combiner (shardplan/intra/combiner.py) follow XLA's? For zoo
+"""Does the estimate's all-reduce combiner (shardplan/intra/combiner/xla.py) follow XLA's? For zoo
 models on 8 and 2x4 CPU devices: the all-reduces the searched plan runs one by one, the
 combined ones the estimate expects, and those in the compiled program (with their operand
 bytes), and the plan's predicted communication time against the compiled program's.

@@ -10,7 +10,7 @@ from shardplan import models
 from shardplan.analysis import targets
 from shardplan.analysis.price import KindCost, PricedStep
 from shardplan.cost.hardware import get_profile
-from shardplan.intra import liveness
+from shardplan.intra.memory import liveness
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import abstractify, trace
 from shardplan.options import DEFAULTS

@@ -1,4 +1,4 @@
-"""XLA's all-reduce combiner as the estimate models it (intra/combiner.py), and the ILP's price
+"""XLA's all-reduce combiner as the estimate models it (intra/combiner/xla.py), and the ILP's price
 of the gradients' reductions (intra/problem.py Problem.edge_time)."""
 
 import collections
@@ -13,8 +13,10 @@ import shardplan
 from shardplan.analysis import hlo
 from shardplan.cost.hardware import get_profile
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
-from shardplan.intra import combiner, experts, ilp, loss_hubs
+from shardplan.intra import experts
+from shardplan.intra.combiner import loss_latency, xla
 from shardplan.intra.problem import IntraOptions, Problem
+from shardplan.intra.solve import ilp
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
@@ -60,18 +62,18 @@ def test_combined_all_reduces_as_compiled(devices, name, mesh_name):
 
 def _reductions(*specs):
     """levelled()'s tuples for hand-made (key, level) pairs of one-axis all-reduces."""
-    return [(combiner.key(None, 1.0, Collective("all-reduce", (ax,), 64)), level, 1.0,
+    return [(xla.key(None, 1.0, Collective("all-reduce", (ax,), 64)), level, 1.0,
              Collective("all-reduce", (ax,), 64)) for ax, level in specs]
 
 
 def test_combine_one_collective_per_axes_and_level():
-    got = combiner.combine(_reductions(("x", 1), ("x", 1), ("x", 2), ("y", 1)))
+    got = xla.combine(_reductions(("x", 1), ("x", 1), ("x", 2), ("y", 1)))
     assert collections.Counter((c.axes, c.operands) for c in got) == {
         (("x",), 2): 1, (("x",), 1): 1, (("y",), 1): 1}
 
 
 def test_combine_splits_at_the_operand_limit():
-    got = combiner.combine(_reductions(*[("x", 1)] * (combiner.MAX_OPERANDS + 1)))
+    got = xla.combine(_reductions(*[("x", 1)] * (xla.MAX_OPERANDS + 1)))
     assert sorted(c.operands for c in got) == [128, 129]
 
 
@@ -80,7 +82,7 @@ def test_latency_saving_is_all_but_one_latency_per_group():
     reds = _reductions(*[("x", 1)] * 5)
     one = cost.combined_latency([reds[0][3]])
     assert one > 0
-    assert combiner.latency_saving(reds, cost) == pytest.approx(4 * one)
+    assert xla.latency_saving(reds, cost) == pytest.approx(4 * one)
 
 
 def _mlp_step(batch=256):
@@ -107,7 +109,7 @@ def _gradients(g):
 
 def test_terminal_values_are_the_gradients_and_the_loss():
     _, g = _mlp_step()
-    terminal = combiner.terminal_values(g, CONTRACTIONS)
+    terminal = xla.terminal_values(g, CONTRACTIONS)
     grads = _gradients(g)
     assert len(grads) == 2 and grads <= terminal
     dots = [n for n in g.nodes if n.primitive == "dot_general"]
@@ -136,16 +138,16 @@ def test_ilp_prices_a_gradient_reduction_without_its_latency():
 
 def test_gradient_values_leave_out_the_loss():
     _, g = _mlp_step()
-    grads = combiner.gradient_values(g, CONTRACTIONS)
+    grads = xla.gradient_values(g, CONTRACTIONS)
     assert _gradients(g) <= grads
     assert g.outputs[-1] not in grads  # the loss: its reductions keep their latency
 
 
 def test_loss_values_are_the_loss_after_its_last_sum():
     _, g = _mlp_step()
-    loss = combiner.loss_values(g, CONTRACTIONS)
+    loss = xla.loss_values(g, CONTRACTIONS)
     assert g.outputs[-1] in loss
-    assert not (loss & combiner.gradient_values(g, CONTRACTIONS))
+    assert not (loss & xla.gradient_values(g, CONTRACTIONS))
     # the squared errors the mean sums over: a reduction follows them, not theirs
     squares = next(n for n in g.nodes if n.primitive == "integer_pow")
     assert not (set(squares.outputs) & loss)
@@ -169,7 +171,7 @@ def test_loss_values_leave_out_values_no_output_reads():
     traced = trace(step, (jax.ShapeDtypeStruct((8, 4), jnp.float32),
                           jax.ShapeDtypeStruct((16, 8), jnp.float32)), (0,), (1,))
     g = lift(traced.closed_jaxpr, traced.arg_info)
-    loss = combiner.loss_values(g, CONTRACTIONS)
+    loss = xla.loss_values(g, CONTRACTIONS)
     read = {v for n in g.nodes for v in n.inputs} | set(g.outputs)
     assert g.outputs[-1] in loss and loss <= read
 
@@ -211,8 +213,8 @@ def _solve_pinned(g, specs):
     problem = Problem(g, mesh, cost, IntraOptions(combine_gradients=True,
                                                   fixed_inputs=dict(enumerate(specs))))
     inp = problem.solver_input()
-    # the gradients' hubs (the loss's members, intra/loss_hubs.py, follow them)
-    at = loss_hubs.gradient_hubs(problem, len(problem.reps))
+    # the gradients' hubs (the loss's members, intra/combiner/loss_latency.py, follow them)
+    at = loss_latency.gradient_hubs(problem, len(problem.reps))
     hubs = [inp.node_costs[i] for i in at.values()]
     return cost, inp, hubs, ilp.solve(inp), sorted(at.values())
 
@@ -236,19 +238,19 @@ def test_ilp_pays_the_combined_reduction_latency_once_where_a_gradient_is_reduce
 
 def test_the_loss_reduction_runs_alone_where_the_forward_reduces_over_its_devices():
     """The estimate's combiner (levelled with loss_alone) as the ILP's loss members
-    (intra/loss_hubs.py) price it: the loss's reduction joins the gradients' combined
+    (intra/combiner/loss_latency.py) price it: the loss's reduction joins the gradients' combined
     all-reduce, unless the forward pass reduces over the same devices (a split vocabulary's
     log-sum-exp): then it runs alone."""
     _, g = _mlp_step()
-    loss = combiner.loss_values(g, CONTRACTIONS)
+    loss = xla.loss_values(g, CONTRACTIONS)
     red = [(1.0, Collective("all-reduce", ("x",), 64))]
     h = next(n for n in g.nodes if n.primitive == "dot_general").outputs[0]
-    assert h in combiner.forward_values(g, loss)
+    assert h in xla.forward_values(g, loss)
     grads = {v: red for v in _gradients(g)}
 
     def combined(edge_reds):
-        alone = combiner.loss_alone(g, loss, {}, edge_reds)
-        return alone, combiner.combine(combiner.levelled(g, {}, edge_reds, alone=alone))
+        alone = xla.loss_alone(g, loss, {}, edge_reds)
+        return alone, xla.combine(xla.levelled(g, {}, edge_reds, alone=alone))
 
     alone, got = combined({**grads, g.outputs[-1]: red})
     assert not alone and [c.operands for c in got] == [3]  # the loss's joins the gradients'
@@ -294,14 +296,14 @@ def _adafactor_mlp(batch=1024, width=256, layers=4, optimizer="adafactor"):
 
 def test_adafactor_reductions_of_the_gradients_are_not_the_gradients():
     """Adafactor's means of squared gradients and its update RMS reduce a gradient: they run
-    after its reduction, so they are priced with their own latency (combiner.reduced_again);
+    after its reduction, so they are priced with their own latency (xla.reduced_again);
     the kernels' and biases' gradients themselves are the gradients."""
     step, args = _adafactor_mlp()
     traced = trace(step, args, (0, 1), (2, 3))
     g = lift(traced.closed_jaxpr, traced.arg_info)
-    terminal = combiner.terminal_values(g, CONTRACTIONS)
-    again = combiner.reduced_again(g, terminal)
-    grads = combiner.gradient_values(g, CONTRACTIONS)
+    terminal = xla.terminal_values(g, CONTRACTIONS)
+    again = xla.reduced_again(g, terminal)
+    grads = xla.gradient_values(g, CONTRACTIONS)
     sums = [n for n in g.nodes if n.primitive == "reduce_sum" and set(n.outputs) & again]
     assert len(sums) >= 2 * 4  # at least a second moment and an update RMS per kernel
     # the kernels' gradients (dots of the backward pass with a parameter's shape)

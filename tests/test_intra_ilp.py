@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
-from shardplan.intra.ilp import (
+from shardplan.intra.settings import SolverSettings
+from shardplan.intra.solve.ilp import (
     InfeasibleMemory,
     SolverInput,
     brute_force,
     evaluate,
     solve,
 )
-from shardplan.intra.settings import SolverSettings
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
 WORK = SolverSettings(time_limit=10, deterministic=True)
@@ -73,7 +73,7 @@ def test_infeasible_budget_reports_smallest_memory():
 
 
 def test_compress_edge_is_exact():
-    from shardplan.intra.cpsat import compress_edge
+    from shardplan.intra.solve.cpsat import compress_edge
 
     rng = np.random.default_rng(0)
     base = rng.uniform(size=(3, 4))
@@ -109,7 +109,7 @@ def test_time_is_kept_for_cp_sat_when_highs_finds_no_plan_that_fits(monkeypatch)
     a SearchTimeout while a plan that fits exists."""
     import dataclasses
 
-    from shardplan.intra import ilp, linear
+    from shardplan.intra.solve import ilp, mip
     from shardplan.units import Deadline
 
     rng = np.random.default_rng(0)
@@ -127,7 +127,7 @@ def test_time_is_kept_for_cp_sat_when_highs_finds_no_plan_that_fits(monkeypatch)
         seen.append(sub.remaining())
         return "timeout", None
 
-    monkeypatch.setattr(linear, "mip", no_plan)
+    monkeypatch.setattr(mip, "solve", no_plan)
     monkeypatch.setattr(ilp, "greedy_choices", lambda _: [])
     sol = solve(inp)
     assert sol.solver == "cp-sat" and not sol.optimal

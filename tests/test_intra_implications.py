@@ -1,5 +1,5 @@
 """Implication rows (ilp.Implication: a member's choices in `when` force another's into
-`allowed`, as intra/hubs.py turns a hub on) against the infinite-entry edges they replace and
+`allowed`, as intra/combiner/gradient_latency.py turns a hub on) against the infinite-entry edges they replace and
 brute force: presolve keeps or settles them exactly, HiGHS and CP-SAT forbid what they forbid,
 and the ways back (canonical, greedy) never break one."""
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from ortools.sat.python import cp_model
 
-from shardplan.intra import cpsat, linear, presolve
-from shardplan.intra.ilp import (
+from shardplan.intra.settings import SolverSettings
+from shardplan.intra.solve import cpsat, mip, presolve
+from shardplan.intra.solve.ilp import (
     Implication,
     SolverInput,
     brute_force,
@@ -19,7 +20,6 @@ from shardplan.intra.ilp import (
     greedy_choices,
     solve,
 )
-from shardplan.intra.settings import SolverSettings
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
 WORK = SolverSettings(time_limit=10, deterministic=True)
@@ -93,10 +93,10 @@ def test_highs_and_cpsat_forbid_reducing_with_the_hub_off():
     # without the row, choice 0 with the hub off would (0)
     inp = SolverInput((np.array([0.0, 1.0, 3.0]), np.array([0.0, 5.0])),
                       implications=(Implication(0, np.array([True, False, False]), 1, ON),))
-    for status_choice in (linear.mip(inp), ("optimal", _solve_cpsat(inp))):
+    for status_choice in (mip.solve(inp), ("optimal", _solve_cpsat(inp))):
         assert status_choice == ("optimal", (1, 0))
     cheap_hub = dataclasses.replace(inp, node_costs=(inp.node_costs[0], np.array([0.0, 0.5])))
-    assert linear.mip(cheap_hub) == ("optimal", (0, 1))
+    assert mip.solve(cheap_hub) == ("optimal", (0, 1))
     assert _solve_cpsat(cheap_hub) == (0, 1)
 
 

@@ -1,4 +1,4 @@
-"""The MIP of shardplan.intra.linear: ties broken the same way whatever presolve does, and a
+"""The MIP of shardplan.intra.solve.mip: ties broken the same way whatever presolve does, and a
 fractional LP relaxation finished by a MIP over the columns its reduced costs leave, proven
 optimal against brute force."""
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from shardplan.intra import linear, presolve
-from shardplan.intra.ilp import SolverInput, brute_force, evaluate, solve
 from shardplan.intra.settings import SolverSettings
+from shardplan.intra.solve import mip, presolve
+from shardplan.intra.solve.ilp import SolverInput, brute_force, evaluate, solve
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
 WORK = SolverSettings(time_limit=10, deterministic=True)
@@ -64,8 +64,8 @@ def frustrated(seed, n=7, k=4):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_a_fractional_relaxation_is_finished_on_fewer_columns(seed, monkeypatch):
-    inp = linear.perturbed(frustrated(seed))
-    model, _ = linear._sparse(inp)
+    inp = mip.perturbed(frustrated(seed))
+    model, _ = mip._sparse(inp)
     calls = []
     real = optimize.milp
 
@@ -74,7 +74,7 @@ def test_a_fractional_relaxation_is_finished_on_fewer_columns(seed, monkeypatch)
         return real(c, *args, **kwargs)
 
     monkeypatch.setattr(optimize, "milp", spy)
-    status, choice = linear.mip(inp)
+    status, choice = mip.solve(inp)
     assert status == "optimal"
     assert evaluate(inp, choice)[0] == pytest.approx(brute_force(inp).objective, rel=1e-12)
     # the relaxation was fractional, and one MIP over part of the columns proved the optimum

@@ -1,4 +1,4 @@
-"""The list schedule (intra/liveness.py schedule) against its definition, evaluated afresh at
+"""The list schedule (intra/memory/liveness.py schedule) against its definition, evaluated afresh at
 every step: of the nodes whose operands are ready, run the one that allocates the least net of
 what it frees (ties: program order). The heap it runs on re-prices only the nodes a run
 changes; this checks that it never runs a node at a stale price."""
@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from shardplan.intra import liveness
+from shardplan.intra.memory import liveness
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from shardplan.intra import cpsat, ilp
-from shardplan.intra.ilp import Copy, InfeasibleMemory, SearchTimeout, SolverInput
 from shardplan.intra.settings import SolverSettings
+from shardplan.intra.solve import cpsat, ilp, mip
+from shardplan.intra.solve.ilp import Copy, InfeasibleMemory, SearchTimeout, SolverInput
 from shardplan.units import Deadline, fmt_bytes, parse_bytes
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
@@ -95,12 +95,11 @@ def test_the_least_memory_found_is_a_plan_and_bounds_the_least(seed):
 
 def test_an_expired_deadline_returns_a_fallback_that_fits_at_once(monkeypatch):
     """At once: no solver is run (the verdict holds at any load)."""
-    from shardplan.intra import linear
 
     def no_solver(*a, **k):
         raise AssertionError("a solver was run after the deadline")
 
-    monkeypatch.setattr(linear, "mip", no_solver)
+    monkeypatch.setattr(mip, "solve", no_solver)
     monkeypatch.setattr(cpsat, "build_model", no_solver)
     inp = memory_problem(1, n=30, rows=20)
     inp = SolverInput(inp.node_costs, inp.edges, inp.memory_rows, 1e9,
@@ -131,12 +130,11 @@ def test_a_budget_below_every_nodes_smallest_is_infeasible_without_a_search(monk
     """Every row with each node at its smallest is a lower bound of any plan's peak: a budget
     below it fits nothing, said at once (a 1-byte budget ran HiGHS's LP to the time limit on
     the MoE at test size on 2x4, which ended in SearchTimeout, not InfeasibleMemory)."""
-    from shardplan.intra import linear
 
     def no_mip(*a, **k):
         raise AssertionError("the MIP was run")
 
-    monkeypatch.setattr(linear, "mip", no_mip)
+    monkeypatch.setattr(mip, "solve", no_mip)
     inp = dataclasses.replace(memory_problem(4), memory_budget=1.0,
                               solver=SolverSettings(time_limit=5.0),
                               deadline=Deadline(5.0))
@@ -182,13 +180,13 @@ def test_nonsense_budgets_are_refused(bad):
 
 def test_points_are_the_maximal_live_sets():
     """Every position's live set is contained in one of the points'."""
-    from shardplan.intra.memory import MemoryModel
+    from shardplan.intra.memory.model import MemoryModel
 
     rng = np.random.default_rng(0)
 
     class Fake(MemoryModel):
         def __init__(self, intervals):
-            from shardplan.intra.memory import Buffer
+            from shardplan.intra.memory.buffers import Buffer
 
             self.n = 20
             self.buffers = [Buffer(0, np.ones(1), a, b) for a, b in intervals]
@@ -206,11 +204,11 @@ def test_points_are_the_maximal_live_sets():
 
 def test_a_dropout_mask_is_fused_into_its_readers_and_keeps_the_bits():
     """XLA fuses a cheap compare into every reader: the mask is never written, the generator's
-    bits stay live until its last reader (measured on the zoo's dropout: memory.py)."""
+    bits stay live until its last reader (measured on the zoo's dropout: memory_model.py)."""
     import jax
     import jax.numpy as jnp
 
-    from shardplan.intra import memory
+    from shardplan.intra.memory import model as memory_model
     from shardplan.ir.lift import LiftOptions, lift
     from shardplan.ir.trace import trace
 
@@ -226,8 +224,8 @@ def test_a_dropout_mask_is_fused_into_its_readers_and_keeps_the_bits():
     for node in g.nodes:
         for v in set(node.inputs):
             readers.setdefault(v, []).append(node.id)
-    pos = memory.schedule(g)
-    virtual, last = memory.lifetimes(g, pos, readers, set(g.outputs))
+    pos = memory_model.schedule(g)
+    virtual, last = memory_model.lifetimes(g, pos, readers, set(g.outputs))
     bits = next(n.outputs[0] for n in g.nodes if n.primitive == "random_bits")
     mask = next(n.outputs[0] for n in g.nodes if n.primitive == "lt")
     assert mask in virtual and bits not in virtual
@@ -286,11 +284,11 @@ def test_what_xla_simplifies_away_is_never_written():
     the scatter's operand, written (here the log-softmax's backward reads the scatter with a
     product: XLA writes the [4, 32] zeros as a fusion of their own). A transpose that only
     dots read is folded into them (measured on the live ranges of llama and the MoE at test
-    size: memory.py)."""
+    size: memory_model.py)."""
     import jax
     import jax.numpy as jnp
 
-    from shardplan.intra import liveness
+    from shardplan.intra.memory import liveness
     from shardplan.ir.lift import LiftOptions, lift
     from shardplan.ir.trace import trace
 
@@ -334,10 +332,10 @@ def test_what_xla_simplifies_away_is_never_written():
 
 
 def test_memory_rows_equal_the_live_sets_summed_at_each_point():
-    """memory_rows.solver_terms (array operations) against its definition, point by point:
+    """ilp_rows.solver_terms (array operations) against its definition, point by point:
     random buffers and copies over a few roots, some tied to one representative."""
-    from shardplan.intra import memory_rows
-    from shardplan.intra.buffers import Buffer, LiveCopy
+    from shardplan.intra.memory import ilp_rows
+    from shardplan.intra.memory.buffers import Buffer, LiveCopy
 
     rng = np.random.default_rng(1)
     for _ in range(10):
@@ -354,7 +352,7 @@ def test_memory_rows_equal_the_live_sets_summed_at_each_point():
                        rng.integers(-5, 50, width).astype(float), int(rng.integers(5)),
                        rng.integers(0, 2, width), rng.integers(1, 50, width).astype(float),
                        *span()) for _ in range(15)]
-        base, rows, shared, row_copies = memory_rows.solver_terms(buffers, copies, index)
+        base, rows, shared, row_copies = ilp_rows.solver_terms(buffers, copies, index)
         choice = [int(rng.integers(width)) for _ in range(3)]
         # the peak the rows give under one choice per representative
         sizes = [c.size(choice[c.a], choice[c.b]) for c in shared]

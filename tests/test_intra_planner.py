@@ -5,7 +5,7 @@ import pytest
 
 from shardplan import models
 from shardplan.cluster import parse_cluster
-from shardplan.intra import linear
+from shardplan.intra.solve import mip
 from shardplan.ir.trace import trace
 from shardplan.options import DEFAULTS
 from shardplan.planning.expert_plans import expert_plans
@@ -26,14 +26,14 @@ def test_a_budgeted_search_that_finds_nothing_keeps_the_expert_plan_that_fits(mo
     (its inputs completed by the ILP without the budget, as shardplan.planning.expert_plans writes it). It
     was the greedy fallback, 3x FSDP's completion here: the expert seeds were solved under the
     budget too, by the same HiGHS, and fell back to their greedy completions, which overflow."""
-    mip = linear.mip
+    highs = mip.solve
 
     def nothing_under_a_budget(inp):
         if inp.memory_budget is not None and (inp.memory_rows or inp.memory_base):
             return "timeout", None
-        return mip(inp)
+        return highs(inp)
 
-    monkeypatch.setattr(linear, "mip", nothing_under_a_budget)
+    monkeypatch.setattr(mip, "solve", nothing_under_a_budget)
     step = models.get_model("gpt", abstract=True)
     traced = trace(step.fn, step.args, step.state_argnums, step.batch_argnums)
     hw, _ = parse_cluster("cpu")
@@ -60,7 +60,8 @@ def test_under_a_budget_the_free_solve_leaves_the_seeds_a_share_of_the_time():
     costs 255 ms compiled); without a budget or seeds the free solve has all of it."""
     import numpy as np
 
-    from shardplan.intra import ilp, planner
+    from shardplan.intra import planner
+    from shardplan.intra.solve import ilp
 
     deadline = Deadline(10.0)
     seeds = {"fsdp": {}}
@@ -77,7 +78,8 @@ def test_a_search_that_runs_out_names_the_callers_time_limit(monkeypatch):
     """When nothing that fits is found in time, SearchTimeout states the time limit the caller
     gave, not the share of it the free solve had (a 30 s search said "the time limit of
     15.658 s ran out")."""
-    from shardplan.intra import ilp, planner
+    from shardplan.intra import planner
+    from shardplan.intra.solve import ilp
 
     def runs_out(inp):
         raise ilp.SearchTimeout(inp.deadline.limit_s, "the ILP found no plan that fits")

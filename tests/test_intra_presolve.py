@@ -8,15 +8,15 @@ import itertools
 import numpy as np
 import pytest
 
-from shardplan.intra import presolve
-from shardplan.intra.ilp import (
+from shardplan.intra.settings import SolverSettings
+from shardplan.intra.solve import presolve
+from shardplan.intra.solve.ilp import (
     InfeasibleMemory,
     SolverInput,
     brute_force,
     evaluate,
     solve,
 )
-from shardplan.intra.settings import SolverSettings
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
 WORK = SolverSettings(time_limit=10, deterministic=True)

@@ -1,13 +1,13 @@
-"""shardplan.intra.relaxation: the LP relaxation with its memory rows added lazily has the bound
+"""shardplan.intra.solve.relaxation: the LP relaxation with its memory rows added lazily has the bound
 of the LP solved at once, and reduced costs that bound every column's cost of being used."""
 
 import numpy as np
 import pytest
 from scipy import optimize, sparse
 
-from shardplan.intra import linear, relaxation
-from shardplan.intra.ilp import SolverInput
 from shardplan.intra.settings import SolverSettings
+from shardplan.intra.solve import mip, relaxation
+from shardplan.intra.solve.ilp import SolverInput
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
 WORK = SolverSettings(time_limit=10, deterministic=True)
@@ -29,7 +29,7 @@ def budgeted(seed, n=7, k=4, rows=5):
 
 
 def _arrays(inp):
-    model, _ = linear._sparse(inp)
+    model, _ = mip._sparse(inp)
     rows, cols, vals = (np.concatenate(t) for t in zip(*model.triplets))
     matrix = sparse.csr_matrix((vals, (rows, cols)), shape=(model.num_rows, model.num_vars))
     obj, lb, ub = (np.concatenate(a) for a in (model.obj, model.lb, model.ub))

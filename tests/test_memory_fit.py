@@ -14,7 +14,7 @@ import pytest
 import shardplan
 from shardplan.analysis import hlo, targets
 from shardplan.cost.hardware import get_profile
-from shardplan.intra import liveness
+from shardplan.intra.memory import liveness
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
@@ -228,7 +228,8 @@ def test_a_kernel_read_whole_in_the_backward_is_held_whole_from_the_forward(mesh
     on the fan-outs: planned with fanouts="layers" here, as under "reduce" (auto on two axes)
     the 2-D completion reads its kernels whole in both passes (one copy held alike: compiled
     at 0.90 of the estimate)."""
-    from shardplan.intra import memory, problem
+    from shardplan.intra import problem
+    from shardplan.intra.memory import model as memory_model
     from shardplan.units import Deadline
 
     monkeypatch.setattr(problem, "fanout_mode", lambda mode, mesh: "layers")
@@ -236,14 +237,14 @@ def test_a_kernel_read_whole_in_the_backward_is_held_whole_from_the_forward(mesh
     m = get_model("gpt", "tiny", abstract=True)
     traced = trace(m.fn, m.args, m.state_argnums, m.batch_argnums)
     models = []
-    real = memory.MemoryModel.peak
+    real = memory_model.MemoryModel.peak
 
     def peak(self, choice):
         got = real(self, choice)
         models.append((got, self, dict(choice)))
         return got
 
-    monkeypatch.setattr(memory.MemoryModel, "peak", peak)
+    monkeypatch.setattr(memory_model.MemoryModel, "peak", peak)
     options = DEFAULTS.replace(time_limit=20.0, deterministic=True, state_argnums=m.state_argnums,
                                batch_argnums=m.batch_argnums)
     mesh = MeshShape.of(mesh2x4)

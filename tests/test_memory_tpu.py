@@ -13,7 +13,7 @@ import pytest
 
 from shardplan.cost.hardware import get_profile
 from shardplan.cost.model import AlphaBetaCost
-from shardplan.intra import compilers
+from shardplan.intra.memory import compilers
 from shardplan.intra.options import intra_options
 from shardplan.intra.problem import Problem
 from shardplan.ir.lift import LiftOptions, lift

@@ -248,7 +248,7 @@ def on_target(stats: hlo.ProgramStats, mesh, hw: HardwareProfile,
               widening: float) -> hlo.ProgramStats:
     """The compiled peak as `hw` would hold it: arguments and outputs as compiled (their
     dtypes are the step's), the temporaries scaled by `widening` where XLA:CPU widened them
-    (shardplan.intra.liveness.cpu_widening models the share the target keeps)."""
+    (shardplan.intra.memory.liveness.cpu_widening models the share the target keeps)."""
     if widening >= 1.0 or not widens(mesh, hw):
         return stats
     peak = (stats.argument_bytes + stats.output_bytes - stats.alias_bytes

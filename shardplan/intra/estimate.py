@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from shardplan.cost import collectives
 from shardplan.cost.estimate import Estimate
-from shardplan.intra import combiner
+from shardplan.intra.combiner import xla
 from shardplan.intra.problem import Problem, is_tensor
 from shardplan.ir.graph import Role
 from shardplan.strategies.base import Collective
@@ -136,7 +136,7 @@ def scattered_whole(src: ShardSpec, dst: ShardSpec, read_partial, mesh: MeshShap
 
 def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tuple]:
     """The plan's Estimate, the collectives it expects ((where, Collective), as the strategies
-    and reshards run them) and the combined all-reduces of those (combiner.Combined)."""
+    and reshards run them) and the combined all-reduces of those (xla.Combined)."""
     g, cost = problem.graph, problem.cost
     compute = comm = comm_bytes = 0.0
     expected = []
@@ -228,8 +228,8 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
             compute += problem.output_io_time(g.values[v], value_specs[v].without_partial())
     state = sum(cost.value_bytes(g.values[v], value_specs[v])
                 for v, r in zip(g.inputs, g.input_roles) if r == Role.STATE)
-    alone = combiner.loss_alone(g, problem.loss_values(), node_reds, edge_reds)
-    reductions = combiner.levelled(g, node_reds, edge_reds, alone=alone)
-    comm -= combiner.latency_saving(reductions, cost)
+    alone = xla.loss_alone(g, problem.loss_values(), node_reds, edge_reds)
+    reductions = xla.levelled(g, node_reds, edge_reds, alone=alone)
+    comm -= xla.latency_saving(reductions, cost)
     estimate = Estimate(compute, comm, peak_bytes(problem, chosen), state, comm_bytes)
-    return estimate, tuple(expected), tuple(combiner.combine(reductions))
+    return estimate, tuple(expected), tuple(xla.combine(reductions))

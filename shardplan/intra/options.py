@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shardplan.intra.memory import MARGIN
-from shardplan.intra.planner import IntraOptions
-from shardplan.intra.settings import SolverSettings
+from shardplan.intra.memory.model import MARGIN
+from shardplan.intra.settings import IntraOptions, SolverSettings
 from shardplan.options import SearchOptions
 from shardplan.strategies.spec import ShardSpec
 from shardplan.units import Deadline

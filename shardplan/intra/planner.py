@@ -13,9 +13,10 @@ from shardplan import _compat
 from shardplan.cost.estimate import Estimate
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra import estimate as estimate_mod
-from shardplan.intra import experts, ilp
+from shardplan.intra import experts
 from shardplan.intra.problem import IntraOptions, Problem, is_tensor
 from shardplan.intra.settings import SolverSettings
+from shardplan.intra.solve import ilp
 from shardplan.ir.graph import Graph
 from shardplan.strategies import coverage as coverage_mod
 from shardplan.strategies.base import Strategy
@@ -37,7 +38,7 @@ class IntraPlan:
     num_choices: int
     search_s: float
     comms: tuple = ()  # (where, Collective) of every collective the plan expects
-    # the all-reduces (and reduce-scatters) among them as XLA combines them (intra/combiner.py)
+    # the all-reduces (and reduce-scatters) among them as XLA combines them (intra/combiner/xla.py)
     combined: tuple = ()
     notes: tuple[str, ...] = ()
     # (node id, input index) -> the layouts an operand is resharded through before the node

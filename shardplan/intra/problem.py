@@ -9,8 +9,8 @@ import collections
 import numpy as np
 
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
-from shardplan.intra import combiner, hubs, ilp, loss_hubs
 from shardplan.intra import hints as hints_mod
+from shardplan.intra.combiner import gradient_latency, loss_latency, xla
 from shardplan.intra.reshard_prices import ReshardPrices
 from shardplan.intra.settings import IntraOptions
 from shardplan.intra.simplify import (
@@ -21,6 +21,7 @@ from shardplan.intra.simplify import (
     reduce_once,
     tie_layers,
 )
+from shardplan.intra.solve import ilp
 from shardplan.ir.graph import Graph, Role, Value
 from shardplan.strategies import registry
 from shardplan.strategies.base import Strategy
@@ -191,29 +192,29 @@ class Problem(ReshardPrices):
 
     def combined(self, values) -> bool:
         """Whether the reductions making `values` join XLA's combined all-reduce of the step's
-        gradients (intra/combiner.py gradient_values): the ILP prices them without their own
+        gradients (intra/combiner/xla.py gradient_values): the ILP prices them without their own
         latency, and the combined collective's one latency once, in the plans that reduce a
-        gradient (intra/hubs.py); the estimate prices the combined collectives as the
+        gradient (intra/combiner/gradient_latency.py); the estimate prices the combined collectives as the
         combiner forms them."""
         if not self.options.combine_gradients:
             return False
         if "_gradients" not in self.__dict__:
-            self.__dict__["_gradients"] = combiner.gradient_values(self.graph, CONTRACTIONS)
+            self.__dict__["_gradients"] = xla.gradient_values(self.graph, CONTRACTIONS)
         return bool(values) and all(v in self._gradients for v in values)
 
     def loss_values(self) -> frozenset[int]:
-        """The loss's last values (intra/combiner.py loss_values), or none without
+        """The loss's last values (intra/combiner/xla.py loss_values), or none without
         combine_gradients."""
         if not self.options.combine_gradients:
             return frozenset()
         if "_loss" not in self.__dict__:
-            self.__dict__["_loss"] = combiner.loss_values(self.graph, CONTRACTIONS)
+            self.__dict__["_loss"] = xla.loss_values(self.graph, CONTRACTIONS)
         return self._loss
 
     def latency_free(self, values) -> bool:
         """Whether the ILP prices the reductions making `values` without their own latency:
         the gradients' (combined) and the loss's last ones, whose latency the loss's members
-        of the ILP charge where they do not join the gradients' (intra/loss_hubs.py)."""
+        of the ILP charge where they do not join the gradients' (intra/combiner/loss_latency.py)."""
         return self.combined(values) or (bool(values) and all(
             v in self.loss_values() for v in values))
 
@@ -404,8 +405,8 @@ class Problem(ReshardPrices):
         return unary, edges
 
     def memory(self):
-        """The memory model (intra/memory.py), built once."""
-        from shardplan.intra.memory import MemoryModel
+        """The memory model (intra/memory/model.py), built once."""
+        from shardplan.intra.memory.model import MemoryModel
 
         if "_memory" not in self.__dict__:
             self.__dict__["_memory"] = MemoryModel(self, self.options.donated,
@@ -426,8 +427,8 @@ class Problem(ReshardPrices):
                 costs[ia] += np.diagonal(m)
             else:
                 merged[(ia, ib)] = merged.get((ia, ib), 0) + m
-        hub_costs, hub_rows = hubs.terms(self, len(costs))
-        loss_costs, loss_edges, loss_rows = loss_hubs.terms(self, len(costs),
+        hub_costs, hub_rows = gradient_latency.terms(self, len(costs))
+        loss_costs, loss_edges, loss_rows = loss_latency.terms(self, len(costs),
                                                             len(costs) + len(hub_costs))
         node_costs = tuple(costs + hub_costs + loss_costs)
         edge_list = tuple((a, b, m) for (a, b), m in sorted({**merged, **loss_edges}.items()))

@@ -25,8 +25,8 @@ from shardplan.strategies.spec import MeshShape
 
 # Only the partitioned HLO, its buffer assignment and cost analysis are read from the
 # compiled programs, never run: LLVM's optimisations of the CPU code are wasted time. These
-# options leave flops, memory and collectives unchanged (checked on GPT-2 124M, 2x4 two_d)
-# and make compiling about 1.5-3x faster.
+# options leave the HLO, its buffers and cost analysis as a full compile makes them
+# (tests/test_planning_compiled.py::test_fast_compile_reads_the_program_a_full_compile_makes).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 def compile_for_analysis(lowered):
@@ -83,7 +83,7 @@ def device_grid(mesh) -> np.ndarray:
 def compile_and_price(lowered, mesh, mesh_shape: MeshShape, hw: HardwareProfile, dtype: str,
                       widening: float = 1.0) -> tuple[hlo.ProgramStats, PricedStep]:
     """A lowered program compiled by XLA on `mesh` (never run), analysed and priced as `hw`
-    runs it, compute at `dtype`'s peak. `widening` (intra.liveness.cpu_widening of the step): on CPU
+    runs it, compute at `dtype`'s peak. `widening` (intra.memory.liveness.cpu_widening of the step): on CPU
     devices standing in for a GPU or TPU, the share of the temporaries the target holds."""
     stats = targets.on_target(analyzed(lowered, mesh), mesh, hw, widening)
     return stats, price(stats, mesh_shape, device_grid(mesh), hw, dtype)

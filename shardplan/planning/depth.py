@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from shardplan.analysis import targets
 from shardplan.analysis.price import KindCost, PricedStep
 from shardplan.cost.hardware import HardwareProfile
-from shardplan.intra import liveness
+from shardplan.intra.memory import liveness
 from shardplan.ir.graph import Graph
 from shardplan.ir.trace import TracedStep
 from shardplan.plan import Plan

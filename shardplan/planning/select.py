@@ -32,8 +32,8 @@ import jax
 
 from shardplan.analysis import targets
 from shardplan.cost.hardware import HardwareProfile
-from shardplan.intra import liveness
-from shardplan.intra.ilp import InfeasibleMemory, SearchTimeout
+from shardplan.intra.memory import liveness
+from shardplan.intra.solve.ilp import InfeasibleMemory, SearchTimeout
 from shardplan.plan import Estimate, Plan
 from shardplan.planning import compiled
 from shardplan.planning.compiled import (

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import scipy.sparse
 
-from shardplan.intra import ilp
+from shardplan.intra.solve import ilp
 
 
 def live_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

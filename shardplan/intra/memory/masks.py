@@ -1,6 +1,6 @@
 """What XLA keeps of a random generator's bits (a dropout mask) once a plan is fixed.
 
-The memory model (intra/memory.py) keeps a generator's two 32-bit words until the last read of
+The memory model (intra/memory/model.py) keeps a generator's two 32-bit words until the last read of
 the mask computed from them: XLA:CPU fuses the mask's compare into each reader, so the bits
 are what it holds. But where a reader reads the mask in another layout than the generator's,
 XLA fuses the compare into the reshard instead, right after the generator: what it holds for
@@ -19,8 +19,8 @@ import dataclasses
 
 import numpy as np
 
-from shardplan.intra import liveness
-from shardplan.intra.buffers import LiveCopy
+from shardplan.intra.memory import liveness
+from shardplan.intra.memory.buffers import LiveCopy
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

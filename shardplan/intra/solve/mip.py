@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from scipy import optimize, sparse
 
-from shardplan.intra import cpsat, presolve, relaxation
+from shardplan import progress
+from shardplan.intra.solve import cpsat, presolve, relaxation
 
 if TYPE_CHECKING:  # annotations only: ilp imports this module
-    from shardplan.intra.ilp import SolverInput
+    from shardplan.intra.solve.ilp import SolverInput
 
 # Relative gap at which HiGHS stops and calls its plan optimal (its default is 1e-4: a plan
 # 0.01% dearer than the best would pass as optimal). 0: HiGHS's absolute gap alone (1e-6 of
@@ -164,7 +165,7 @@ def _sparse_memory(model: _Sparse, inp: SolverInput, x, copy_terms) -> None:
         model.terms(np.full(len(copies), row), sizes[list(copies)], 1.0)
 
 
-def mip(inp: SolverInput):
+def solve(inp: SolverInput):
     """Solve the MIP with HiGHS (scipy.optimize.milp: the model goes to HiGHS as arrays, where
     OR-Tools' wrapper of it spent as long again copying a GPT layer's model in):
     ('optimal' | 'feasible', choice), ('infeasible', None) when no choice fits the memory rows
@@ -210,6 +211,8 @@ def mip(inp: SolverInput):
         if res.x is not None:
             full = np.zeros(model.num_vars)
             full[keep] = res.x
+        _tell(inp, "MIP", res.fun if res.x is not None else None,
+              getattr(res, "mip_dual_bound", None))
         return res.status, full
 
     def choice_of(sol):
@@ -221,6 +224,7 @@ def mip(inp: SolverInput):
         lazy[model.budget_rows] = True
         lp = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, inp.solver,
                                      inp.remaining)
+        _tell(inp, "LP relaxation", None, lp.fun if lp.status == 0 else None)
         found = _within_budget(inp, lp, lambda keep: run(options, keep), obj, num_x,
                                model.num_01, choice_of)
         if found is not None:
@@ -228,6 +232,7 @@ def mip(inp: SolverInput):
     elif not inp.memory_rows and not inp.memory_base:
         lp = _relaxation(inp, obj, lb, ub, matrix, rlo, rhi)
         lp = lp if lp.status == 0 else None
+        _tell(inp, "LP relaxation", None, None if lp is None else lp.fun)
         if lp is not None and np.all(np.minimum(lp.x[:num_x], 1 - lp.x[:num_x]) <= INTEGRAL):
             return "optimal", choice_of(lp.x)
         if inp.remaining() <= 0:
@@ -252,6 +257,15 @@ def mip(inp: SolverInput):
     if sol is None:
         return "timeout", None
     return ("optimal" if status == 0 else "feasible"), choice_of(sol)
+
+
+def _tell(inp: SolverInput, what: str, incumbent, bound) -> None:
+    """A HiGHS solve's incumbent and bound (the MIP's units) told to inp.solver.progress in
+    seconds. scipy's milp runs HiGHS without its callbacks: one update per solve."""
+    unit = unit_of(inp)
+    seconds = [None if v is None or not np.isfinite(v) else float(v) / unit
+               for v in (incumbent, bound)]
+    inp.solver.progress.solver(progress.SolverUpdate("HiGHS", what, *seconds))
 
 
 def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi) -> relaxation.Relaxation:

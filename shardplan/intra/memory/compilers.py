@@ -1,6 +1,6 @@
 """What each XLA compiler does to a step's buffers that a list schedule of the jaxpr does not
 show: one Rules value per compiler, looked up by the target's backend (HardwareProfile.backend,
-passed down as IntraOptions.compiler). The memory model (intra/memory.py, liveness.py) reads
+passed down as IntraOptions.compiler). The memory model (intra/memory/model.py, liveness.py) reads
 the rules; it knows nothing else of the compiler.
 
 XLA:CPU's rules were measured on its live ranges (benchmarks/xla_live.py); the TPU compiler's
@@ -49,7 +49,7 @@ class Rules:
     """A gathered operand of a dot is copied once more into the layout the dot reads."""
     holds_gradients: bool
     """The gradients a plan reduces are held for one combined all-reduce after the last of
-    them (intra/gradient_holds.py), else each is reduced where it is made."""
+    them (intra/memory/gradient_holds.py), else each is reduced where it is made."""
     small_temps: float
     """Bytes of scalars the temp allocation holds that the model does not list."""
     on_chip_bytes: float
@@ -82,7 +82,7 @@ def tiled_bytes(shape, itemsize: int) -> float:
     return float(n * (-(-second // rows) * rows) * (-(-last // 128) * 128) * itemsize)
 
 
-# XLA:CPU (intra/memory.py's docstring says what each rule saw on its live ranges). It runs
+# XLA:CPU (intra/memory/model.py's docstring says what each rule saw on its live ranges). It runs
 # threefry as a loop of its own, partitioned as the plan says: the two 32-bit words it draws
 # per element are both kept, and the loop's counters are as large again while it runs.
 CPU = Rules(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # annotations only: ilp imports this module
-    from shardplan.intra.ilp import SolverInput
+    from shardplan.intra.solve.ilp import SolverInput
 
 # Relative tolerance for two choices to cost the same (float sums of the same costs in another
 # order); a tie keeps the first choice.

@@ -1,8 +1,8 @@
-"""The gradients XLA's combined all-reduce holds, as the memory model (intra/memory.py) counts
+"""The gradients XLA's combined all-reduce holds, as the memory model (intra/memory/model.py) counts
 them.
 
 XLA combines the reductions of the step's gradients into one all-reduce (its combiner;
-intra/combiner.py), which runs once the last of them is made: a gradient whose plan reduces it
+intra/combiner/xla.py), which runs once the last of them is made: a gradient whose plan reduces it
 (a partial sum, or a reduction inside its node) is held until then, not freed by its reader.
 (GPT on 8 devices, data parallel: every weight's gradient was live at XLA's peak, just before
 the one all-reduce of them all; the model, freeing each at its update, put the plan at 1/1.40
@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from shardplan.cost.model import CONTRACTIONS
-from shardplan.intra import combiner
-from shardplan.intra.buffers import Buffer, LiveCopy
+from shardplan.intra.combiner import xla
+from shardplan.intra.memory.buffers import Buffer, LiveCopy
 
 # The ops whose gradients a plan leaves as partial sums of the weights' size: the contractions
 # (a kernel's gradient) and the scatter-add of a gather's (an embedding's). (A bias's
@@ -58,7 +58,7 @@ def holds(model, is_tensor) -> tuple[list[Buffer], list[LiveCopy]]:
     one is not reduced) of the gradients held for the combined all-reduce."""
     p = model.problem
     g, root = p.graph, p.groups.root
-    grads = combiner.gradient_values(g, CONTRACTIONS)
+    grads = xla.gradient_values(g, CONTRACTIONS)
     made = [node for node in g.nodes if node.outputs and node.primitive in SUMS
             and all(v in grads for v in node.outputs)]
     if not made:

@@ -1,6 +1,6 @@
 """When XLA holds each value of a step: the order its scheduler runs the nodes in (a list
 schedule), which values its fusion never writes, and when each written value is last read; and
-what XLA:CPU's widening of narrow floats adds. intra/memory.py builds its buffers on these."""
+what XLA:CPU's widening of narrow floats adds. intra/memory/model.py builds its buffers on these."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import heapq
 import numpy as np
 
 from shardplan.cost.model import FUSED
-from shardplan.intra import compilers
+from shardplan.intra.memory import compilers
 from shardplan.ir import primitives
 
 

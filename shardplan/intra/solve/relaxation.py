@@ -1,4 +1,4 @@
-"""The LP relaxation of the intra-op MIP (linear.py's arrays), solved by HiGHS: at once through
+"""The LP relaxation of the intra-op MIP (mip.py's arrays), solved by HiGHS: at once through
 scipy's linprog, or with some rows added lazily to one HiGHS model that keeps its basis.
 
 Lazily: the LP without the lazy rows is solved, the lazy rows its solution breaks are added,

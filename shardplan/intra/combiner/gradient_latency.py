@@ -3,7 +3,7 @@ plans that reduce any gradient in it.
 
 With IntraOptions.combine_gradients the ILP prices each reduction of a gradient without its own
 latency (intra/problem.py Problem.combined): XLA runs them as one combined all-reduce per mesh
-axes (intra/combiner.py), which pays one latency whatever the number of gradients. That one
+axes (intra/combiner/xla.py), which pays one latency whatever the number of gradients. That one
 latency is not free: a plan that reduces no gradient over those axes runs no such collective.
 Left out, a plan that reduces one gradient paid nothing for it (measured: a tied 64k-vocab
 embedding on 8 devices, the searched plan reduced the embedding's gradient, an all-reduce of
@@ -15,7 +15,7 @@ latency, once per step: a scanned model's gradients reduced inside its loop are 
 same model unrolled reduces them, as Problem.reshard_time prices its stacked values, else the
 two would plan differently); a row (ilp.Implication) from every member whose choice reduces a
 gradient over the group's axes forbids that choice with the hub off. As rows, not edges of
-infinite entries, they leave presolve its eliminations (intra/presolve.py) and the MIP one row
+infinite entries, they leave presolve its eliminations (intra/solve/presolve.py) and the MIP one row
 per member instead of an edge's pair variables (GPT-2 1.5B unrolled on 8x8: the core fell from
 267 members and 654 edges to 237 and 421, as without hubs; the solve did not get faster with
 it: the rows cost HiGHS's LP as many iterations as the edges did, 16k against 12k without).
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardplan.intra.ilp import Implication
+from shardplan.intra.solve.ilp import Implication
 from shardplan.strategies.base import Collective
 
 if TYPE_CHECKING:  # annotations only: problem imports this module

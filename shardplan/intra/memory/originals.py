@@ -1,6 +1,6 @@
 """How long an activation's own buffer lives once a plan is fixed.
 
-The memory model (intra/memory.py) keeps a value until its last reader, whichever layout that
+The memory model (intra/memory/model.py) keeps a value until its last reader, whichever layout that
 reader reads. XLA frees it once the last read of it as laid out has run and the last reshard
 made from it is made: a reader that reads another layout reads a copy, and a later reader of
 that layout reads the same copy (the MoE on 2x4: an expert dot's result resharded for the

@@ -1,6 +1,6 @@
 """The intra-operator ILP: one strategy per node, minimising node and edge costs under a
 per-device memory budget (as in Alpa, section 4.2), reduced exactly (presolve.py), then solved
-as a MIP with HiGHS (linear.py; CP-SAT where HiGHS is missing) and, for the least memory,
+as a MIP with HiGHS (mip.py; CP-SAT where HiGHS is missing) and, for the least memory,
 with CP-SAT (cpsat.py)."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import numpy as np
 import scipy.sparse
 from ortools.sat.python import cp_model
 
-from shardplan.intra import cpsat, linear, presolve
+from shardplan import progress
 from shardplan.intra.settings import SolverSettings
+from shardplan.intra.solve import cpsat, mip, presolve
 from shardplan.units import Deadline, fmt_bytes
 
 
@@ -43,7 +44,7 @@ class Implication(NamedTuple):
     """A choice of member a in `when` forces member b to one in `allowed` (a row of the ILP:
     sum of a's choices in `when` <= sum of b's in `allowed`). The same as an edge with an
     infinite cost at [k, l] for k in `when`, l not in `allowed`, without the edge's pair
-    variables, and without making a a neighbour of b in presolve (intra/hubs.py: a member
+    variables, and without making a a neighbour of b in presolve (intra/combiner/gradient_latency.py: a member
     that reduces a gradient over some mesh axes turns their hub on)."""
 
     a: int
@@ -264,7 +265,7 @@ class _Infeasible(Exception):
 def solve(inp: SolverInput) -> Solution:
     """The best choice the solver finds within the time limit (optimal if it proves so).
 
-    The problem is first reduced exactly (shardplan.intra.presolve: dominated choices and
+    The problem is first reduced exactly (shardplan.intra.solve.presolve: dominated choices and
     chains go). Memory rows are added lazily: solve with the rows where memory piles up,
     evaluate every row at the solution, add the rows it overflows, again until none does. A
     subset of the rows has fewer constraints, so its optimum that fits every row is the
@@ -286,18 +287,23 @@ def solve(inp: SolverInput) -> Solution:
         # any plan that fits (a fallback that fits leaves HiGHS all of it: gpt-6.7b on 8x8,
         # 80 GB, found its plan after 70% of the 30 s)
         inp = inp.replace(deadline=Deadline(inp.deadline.remaining() * MIP_SHARE, grace=0.0))
-    perturbed = linear.perturbed(inp)
+    perturbed = mip.perturbed(inp)
     lazy = budget is not None and len(inp.memory_rows) > ROWS_PER_ROUND
     active = _first_rows(inp) if lazy else set(range(len(inp.memory_rows)))
-    # the cheapest fallback that fits bounds the MIP's search from above (linear.py)
+    # the cheapest fallback that fits bounds the MIP's search from above (mip.py)
     hint = min(fits)[1] if fits else inp.hint
+    reporter, rounds = inp.solver.progress, 0
     while True:
         # Presolve sees the active rows only: a node no active row names is eliminated as
         # without a budget (gpt-6.7b on 8x8, 80 GB: a core of 456 nodes, not 730)
         sub = _restrict(perturbed, active) if lazy else perturbed
-        reduced = presolve.reduce(dataclasses.replace(sub, hint=hint))
+        rounds += 1
         try:
-            found = _solve_rows(reduced.inp)
+            with progress.phase(reporter, "presolve"):
+                reduced = presolve.reduce(dataclasses.replace(sub, hint=hint))
+            with progress.phase(reporter, f"MIP (HiGHS), {len(active)} memory rows" if lazy
+                                else "MIP (HiGHS)", rounds if lazy else None):
+                found = _solve_rows(reduced.inp)
         except _Infeasible:
             value, exact, least = least_memory(whole)
             raise InfeasibleMemory(budget, value, exact, found_bytes=least) from None
@@ -350,7 +356,8 @@ def _any_fitting(inp: SolverInput, active: set[int] | None) -> Solution | None:
         sub = _restrict(inp, active) if active is not None else inp
         model, x = cpsat.build_model(sub, minimise_memory=False)
         solver = cpsat.solver_for(sub)
-        if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if cpsat.solve(solver, model, sub, "any plan that fits",
+                       minimise_memory=False) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
         choice = tuple(next(k for k, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
         obj, peak = evaluate(inp, choice)
@@ -407,7 +414,7 @@ def _solve_rows(inp: SolverInput) -> Solution | None:
         return Solution((), 0.0, 0.0, True, "presolve")
     if inp.remaining() <= 0:
         return None
-    status, choice = linear.mip(inp)
+    status, choice = mip.solve(inp)
     if choice is not None and status == "optimal":
         choice = presolve.canonical(inp, choice)
     if status == "infeasible" and inp.memory_budget is not None:
@@ -429,6 +436,11 @@ def least_memory(inp: SolverInput) -> tuple[float, bool, float]:
     (every row evaluated: a plan that needs this much exists)."""
     if not inp.memory_rows and not inp.memory_base:
         return 0.0, True, 0.0
+    with progress.phase(inp.solver.progress, "least memory (CP-SAT)"):
+        return _least_memory(inp)
+
+
+def _least_memory(inp: SolverInput) -> tuple[float, bool, float]:
     lazy = len(inp.memory_rows) > ROWS_PER_ROUND
     active = _first_rows(inp) if lazy else set(range(len(inp.memory_rows)))
     floor = _simple_bound(inp)
@@ -461,7 +473,7 @@ def _min_rows(inp: SolverInput) -> tuple[float, bool, tuple[int, ...] | None]:
     """(least peak over the rows of inp or a lower bound, proven, a choice reaching it)."""
     model, x = cpsat.build_model(inp, minimise_memory=True)
     solver = cpsat.solver_for(inp)
-    status = solver.Solve(model)
+    status = cpsat.solve(solver, model, inp, "least memory", minimise_memory=True)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         choice = tuple(next(k for k, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
         if status == cp_model.OPTIMAL:

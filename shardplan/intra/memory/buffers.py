@@ -1,4 +1,4 @@
-"""The memory model's buffers (intra/memory.py): one whose size is one member's choice, and a
+"""The memory model's buffers (intra/memory/model.py): one whose size is one member's choice, and a
 reshard's copy that exists only when two members' layouts of one value differ."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CP-SAT model of an intra-op SolverInput: variables, the edge pairs (Alpa's
-formulation), the memory rows, solver parameters. shardplan.intra.ilp drives it (the least
-memory; the cost when HiGHS is missing); shardplan.intra.linear writes the same model for
+formulation), the memory rows, solver parameters. shardplan.intra.solve.ilp drives it (the least
+memory; the cost when HiGHS is missing); shardplan.intra.solve.mip writes the same model for
 linear solvers."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from ortools.sat.python import cp_model
 
+from shardplan import progress
+
 if TYPE_CHECKING:  # annotations only: ilp imports this module
-    from shardplan.intra.ilp import SolverInput
+    from shardplan.intra.solve.ilp import SolverInput
 
 
 def compress_edge(m, row_keys=None, col_keys=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -221,3 +223,26 @@ def solver_for(inp: SolverInput):
     p.linearization_level = 2
     return solver
 
+
+
+class _Told(cp_model.CpSolverSolutionCallback):
+    """Tells `reporter` each solution's objective and the bound, divided by `per_unit`."""
+
+    def __init__(self, reporter: progress.Reporter, what: str, unit: str, per_unit: float):
+        super().__init__()
+        self._reporter, self._what, self._unit, self._per_unit = reporter, what, unit, per_unit
+
+    def on_solution_callback(self) -> None:
+        self._reporter.solver(progress.SolverUpdate(
+            "CP-SAT", self._what, self.ObjectiveValue() / self._per_unit,
+            self.BestObjectiveBound() / self._per_unit, self._unit))
+
+
+def solve(solver, model, inp: SolverInput, what: str, *, minimise_memory: bool):
+    """solver.Solve(model), each solution it finds told to inp.solver.progress (in bytes when
+    `minimise_memory`, else in seconds)."""
+    reporter = inp.solver.progress
+    if reporter is progress.SILENT:
+        return solver.Solve(model)
+    per_unit = 1.0 if minimise_memory else float(scale_of(inp))
+    return solver.Solve(model, _Told(reporter, what, "B" if minimise_memory else "s", per_unit))

@@ -123,7 +123,7 @@ def loss_alone(g: Graph, loss: frozenset[int],
                ) -> frozenset[tuple[int, tuple]]:
     """(value id, sorted axes) of the reductions of the loss's last values (`loss`) that XLA
     runs alone: those over devices the forward pass also reduces over (a split vocabulary's
-    log-sum-exp), as intra/loss_hubs.py prices them in the ILP. XLA's combiner walks the
+    log-sum-exp), as intra/combiner/loss_latency.py prices them in the ILP. XLA's combiner walks the
     post order and stops a group at the first all-reduce that depends on a member: one of
     the forward's lands in the gradients' last group, and the loss's runs by itself (a tied
     64k-vocab embedding on 8 devices compiled to five all-reduces where a plan pricing the

@@ -1,6 +1,6 @@
 """Whether the loss's last reduction joins the gradients' combined all-reduce, in the ILP.
 
-The ILP prices a reduction of the loss's last values (intra/combiner.py loss_values: its sum
+The ILP prices a reduction of the loss's last values (intra/combiner/xla.py loss_values: its sum
 over the batch) without its own latency (Problem.latency_free). XLA's combiner
 (collective_combiner_utils.h) walks the program in post order, where the loss comes last, and
 adds each all-reduce of one key to the group it is building until one depends on a member:
@@ -14,7 +14,7 @@ all-reduces where the ILP, pricing the loss's as joined, planned four: 1.19x Meg
 For each mesh axes over which the loss's last values can be partial, one more member of the
 ILP with two free choices, alone (0) and joined (1): a member leaving a last value of the loss
 partial over those axes pays that reduction's latency with it alone; joined needs the
-gradients' combined all-reduce over the axes on (intra/hubs.py) and is forbidden by every
+gradients' combined all-reduce over the axes on (intra/combiner/gradient_latency.py) and is forbidden by every
 forward member whose choice reduces over them (its own collectives, or a partial output): both
 rows (ilp.Implication), as the hubs' are.
 """
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardplan.intra import combiner, hubs
-from shardplan.intra.ilp import Implication
+from shardplan.intra.combiner import gradient_latency, xla
+from shardplan.intra.solve.ilp import Implication
 from shardplan.strategies.base import Collective
 
 if TYPE_CHECKING:  # annotations only: problem imports this module
@@ -35,8 +35,8 @@ if TYPE_CHECKING:  # annotations only: problem imports this module
 
 def gradient_hubs(problem: Problem, first: int) -> dict[tuple, int]:
     """Mesh axes -> the index of the gradients' hub over them, numbered from `first` as
-    hubs.terms numbers them (by their axes' repr, those of no latency left out)."""
-    keys = [k for k in sorted(hubs.triggers(problem), key=repr)
+    gradient_latency.terms numbers them (by their axes' repr, those of no latency left out)."""
+    keys = [k for k in sorted(gradient_latency.triggers(problem), key=repr)
             if problem.cost.combined_latency([Collective("all-reduce", k, 1)]) > 0]
     return {k: first + j for j, k in enumerate(keys)}
 
@@ -76,7 +76,7 @@ def terms(problem: Problem, hubs_from: int, first: int
                 if _starts(node, s, out_idx, key, loss) else 0.0 for s in strategies])
             if lat.any():
                 payers.setdefault(key, []).append((m, lat))
-    forward = combiner.forward_values(g, loss)
+    forward = xla.forward_values(g, loss)
     joins = gradient_hubs(problem, hubs_from)
     costs: list[np.ndarray] = []
     edges: dict[tuple[int, int], np.ndarray] = {}

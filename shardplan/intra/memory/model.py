@@ -11,7 +11,7 @@ It follows what `compiled.memory_analysis()` counts (argument + output + temp - 
   counted from the reader to the last reader of the value that could reshard it too;
 - a state output computed in another layout than its input's: the result before the reshard;
 - what the compiler does that a list schedule of the jaxpr does not show, as its Rules say
-  (intra/compilers.py: one value per compiler, from IntraOptions.compiler, the target's
+  (intra/memory/compilers.py: one value per compiler, from IntraOptions.compiler, the target's
   HardwareProfile.backend). XLA:CPU's rules hold for a CPU target and for a GPU one (no GPU
   compiler runs here without a GPU to measure: a GPU's plans are checked where they are
   compiled); the TPU compiler's below them. XLA:CPU, each measured on its live
@@ -42,17 +42,17 @@ from collections.abc import Mapping
 import numpy as np
 
 from shardplan.cost.model import FUSED
-from shardplan.intra import (
+from shardplan.intra.memory import (
     compilers,
     gradient_holds,
+    ilp_rows,
     layouts,
     liveness,
     masks,
-    memory_rows,
     originals,
 )
-from shardplan.intra.buffers import Buffer, LiveCopy
-from shardplan.intra.liveness import lifetimes, schedule
+from shardplan.intra.memory.buffers import Buffer, LiveCopy
+from shardplan.intra.memory.liveness import lifetimes, schedule
 from shardplan.ir import primitives
 
 # What the model does not see of XLA's buffers, as a share of the step's activations (every
@@ -384,9 +384,9 @@ class MemoryModel:
 
     def points(self) -> list[tuple[list[int], list[int]]]:
         """(buffers, copies) live at each point where the live set can peak
-        (memory_rows.live_ranges)."""
+        (ilp_rows.live_ranges)."""
         nb = len(self.buffers)
-        times, first, last = memory_rows.live_ranges(
+        times, first, last = ilp_rows.live_ranges(
             [b.start for b in self.buffers] + [c.start for c in self.copies],
             [b.end for b in self.buffers] + [c.end for c in self.copies])
         out = []
@@ -400,7 +400,7 @@ class MemoryModel:
     def solver_terms(self, index: Mapping[int, int]):
         """(base, rows, copies, row_copies) for ilp.SolverInput: terms over representatives
         (`index`: root -> representative). Buffers live at every point form the base."""
-        return memory_rows.solver_terms(self.buffers, self.copies, index)
+        return ilp_rows.solver_terms(self.buffers, self.copies, index)
 
     # -- a chosen plan's peak ----------------------------------------------------------------
 
