@@ -56,8 +56,8 @@ def init_cpu_devices(n: int) -> int:
 
 
 def search_options(config: Config, work: Workload, notes: list[str]):
-    """The config's SearchOptions for shardplan.search (one program: pipeline planning is not
-    offered by the CLI yet), measuring only where the CPU devices to compile on exist."""
+    """The config's SearchOptions for shardplan.search (one program: the CLI plans no
+    pipelines), measuring only where the CPU devices to compile on exist."""
     options = config.search_options()
     if options.pipeline in (True, "spmd", "mpmd") or config.search.num_micro_batches > 1:
         raise ConfigError("search.pipeline", "the shardplan command plans one program "
