@@ -78,6 +78,14 @@ def scan_params(params, jaxpr, num_consts: int) -> dict:
     return new
 
 
+def inlined_by_jax(params) -> bool:
+    """Whether JAX itself inlines a jit into its caller (`jax.jit(f, inline=True)`, as optax
+    writes its tree helpers). Up to jax 0.10 it did so while tracing, leaving no equation;
+    since 0.11 the equation stays, its `inline` param jax.Inline.JAX_EARLY or JAX_LATE."""
+    inline = params.get("inline", False)
+    return inline is True or getattr(inline, "value", None) in ("jax_early", "jax_late")
+
+
 def auto_mesh(mesh):
     """The same devices and axis names as `mesh`, with every axis of type Auto."""
     types = getattr(mesh, "axis_types", None)
@@ -125,6 +133,7 @@ __all__ = [
     "auto_mesh",
     "bind_eqn",
     "cost_analysis",
+    "inlined_by_jax",
     "is_drop_var",
     "is_jaxpr",
     "jax",

@@ -54,8 +54,8 @@ def test_contraction_bytes_count_a_dot_as_cost_analysis_does(devices):
 
 
 def test_a_bf16_dot_reads_and_writes_16_bit_values_on_an_accelerator(devices):
-    """XLA:CPU computes a bf16 dot in f32: operands converted before it, the result after.
-    As a GPU or TPU runs it (ProgramStats.formed), the dot moves bf16 bytes, as the cost
+    """XLA:CPU (of jax 0.10) computes a bf16 dot in f32: operands converted before it, the
+    result after. As a GPU or TPU runs it (ProgramStats.formed), the dot moves bf16 bytes, as the cost
     model counts them (gpt-6.7b on 8x8 in bf16: 8.3 GB compiled against 4.1 GB planned, the
     planned compute 0.89x the compiled one's; now 0.99x)."""
     from shardplan.analysis import hlo
@@ -64,7 +64,8 @@ def test_a_bf16_dot_reads_and_writes_16_bit_values_on_an_accelerator(devices):
     w = jax.numpy.ones((512, 128), jax.numpy.bfloat16)
     stats = hlo.analyze(jax.jit(lambda x, w: jax.numpy.tanh(x @ w)).lower(x, w).compile())
     bf16 = 2 * (256 * 512 + 512 * 128 + 256 * 128)
-    assert stats.contraction_bytes == 2 * bf16  # f32 on CPU
+    # the XLA:CPU of jax 0.10 widens the dot to f32; that of jax 0.12 runs it in bf16
+    assert stats.contraction_bytes in (bf16, 2 * bf16)
     assert stats.formed().contraction_bytes == bf16
     f32 = hlo.analyze(jax.jit(lambda x, w: jax.numpy.tanh(x @ w)).lower(
         x.astype("float32"), w.astype("float32")).compile())

@@ -212,7 +212,7 @@ _REPLICATED_WHY = {
     "mutable references and boxes: state, not arrays the plan places": """
         get swap addupdate new_ref empty_ref free_ref freeze accum_grad_in_ref run_state
         create_linear broadcast_to pin unpin box_get box_set new_box new_log log_extend
-        log_read stage""",
+        log_read stage with_memory_space_constraint""",
     "tokens, checks, shape and platform queries, extended dtypes: no array work": """
         after_all create_token check platform_index shape_assertion dim_as_value
         dimension_size unreachable dce_sink zeros_like tie to_edtype from_edtype consume
