@@ -61,7 +61,7 @@ from shardplan.inter import planner, stage_io
 from shardplan.inter import split as sp
 from shardplan.inter import tables as tables_mod
 from shardplan.inter.submesh import STAGE_AXES
-from shardplan.intra.planner import IntraOptions
+from shardplan.intra.settings import IntraOptions
 from shardplan.ir.trace import trace
 from shardplan.models import base, get_config, layers
 from shardplan.models import gpt as gpt_mod

@@ -15,7 +15,7 @@ from shardplan import fingerprint, gcpause
 from shardplan import hints as hints_mod
 from shardplan.api import _check_fn, _options
 from shardplan.cost.hardware import HardwareProfile, get_profile
-from shardplan.intra.solve.ilp import InfeasibleMemory, SearchTimeout
+from shardplan.intra.solve.types import InfeasibleMemory, SearchTimeout
 from shardplan.ir.trace import trace
 from shardplan.options import SearchOptions
 from shardplan.plan import Plan

@@ -6,8 +6,7 @@ import pytest
 from shardplan.inter import planner, stage_io
 from shardplan.inter import split as sp
 from shardplan.inter import tables as tables_mod
-from shardplan.intra.planner import IntraOptions
-from shardplan.intra.settings import SolverSettings
+from shardplan.intra.settings import IntraOptions, SolverSettings
 from shardplan.strategies.spec import MeshShape
 from tests.test_inter_planner import SLOW
 from tests.test_inter_split import mlp_step

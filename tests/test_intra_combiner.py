@@ -1,5 +1,5 @@
 """XLA's all-reduce combiner as the estimate models it (intra/combiner/xla.py), and the ILP's price
-of the gradients' reductions (intra/problem.py Problem.edge_time)."""
+of the gradients' reductions (intra/reshard_prices.py ReshardPrices.edge_time)."""
 
 import collections
 
@@ -15,8 +15,9 @@ from shardplan.cost.hardware import get_profile
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
 from shardplan.intra import experts
 from shardplan.intra.combiner import loss_latency, xla
-from shardplan.intra.problem import IntraOptions, Problem
-from shardplan.intra.solve import ilp
+from shardplan.intra.problem import Problem
+from shardplan.intra.settings import IntraOptions
+from shardplan.intra.solve import ilp, types
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
@@ -126,14 +127,14 @@ def test_ilp_prices_a_gradient_reduction_without_its_latency():
     grad = g.values[min(_gradients(g))]
     whole = ShardSpec.replicated(2)
     summed = whole.with_partial(("x",))
-    full = problem.reshard_time(grad, summed, whole)
+    full = problem.reshards.reshard_time(grad, summed, whole)
     latency = problem.cost.combined_latency(problem.cost.reshard_comms(grad, summed, whole))
     assert latency > 0
-    assert problem.edge_time(grad, summed, whole) == pytest.approx(full - latency)
+    assert problem.reshards.edge_time(grad, summed, whole) == pytest.approx(full - latency)
     # an activation's reduction keeps its latency
     h = g.values[next(n for n in g.nodes if n.primitive == "dot_general").outputs[0]]
-    assert problem.edge_time(h, ShardSpec.replicated(2).with_partial(("x",)), whole) == \
-        problem.reshard_time(h, ShardSpec.replicated(2).with_partial(("x",)), whole)
+    assert problem.reshards.edge_time(h, ShardSpec.replicated(2).with_partial(("x",)), whole) == \
+        problem.reshards.reshard_time(h, ShardSpec.replicated(2).with_partial(("x",)), whole)
 
 
 def test_gradient_values_leave_out_the_loss():
@@ -230,7 +231,7 @@ def test_ilp_pays_the_combined_reduction_latency_once_where_a_gradient_is_reduce
     assert dp.choice[hub] == 1  # on: one latency for both gradients
     off = list(dp.choice)
     off[hub] = 0
-    assert ilp.evaluate(inp, off)[0] == float("inf")  # a gradient reduced: the hub cannot be off
+    assert types.evaluate(inp, off)[0] == float("inf")  # a gradient reduced: the hub cannot be off
     # a small batch, everything whole: it runs replicated, no gradient is reduced, no latency
     *_, hubs, alone, (hub,) = _solve_pinned(_mlp_step()[1], (whole, whole, whole))
     assert len(hubs) == 1 and alone.choice[hub] == 0

@@ -4,13 +4,9 @@ import numpy as np
 import pytest
 
 from shardplan.intra.settings import SolverSettings
-from shardplan.intra.solve.ilp import (
-    InfeasibleMemory,
-    SolverInput,
-    brute_force,
-    evaluate,
-    solve,
-)
+from shardplan.intra.solve.brute_force import brute_force
+from shardplan.intra.solve.ilp import solve
+from shardplan.intra.solve.types import InfeasibleMemory, SolverInput, evaluate
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
 WORK = SolverSettings(time_limit=10, deterministic=True)
@@ -109,7 +105,7 @@ def test_time_is_kept_for_cp_sat_when_highs_finds_no_plan_that_fits(monkeypatch)
     a SearchTimeout while a plan that fits exists."""
     import dataclasses
 
-    from shardplan.intra.solve import ilp, mip
+    from shardplan.intra.solve import greedy, ilp, mip, rows, types
     from shardplan.units import Deadline
 
     rng = np.random.default_rng(0)
@@ -117,9 +113,10 @@ def test_time_is_kept_for_cp_sat_when_highs_finds_no_plan_that_fits(monkeypatch)
     costs = tuple(rng.uniform(0, 1, size=k) for _ in range(n))
     edges = tuple((i, i + 1, rng.uniform(0, 1, size=(k, k))) for i in range(n - 1))
     # more rows than one round, so they are added lazily; the budget fits the smallest layouts
-    rows = tuple(tuple((int(i), np.array([8.0, 4.0, 2.0])) for i in rng.choice(n, 4, False))
-                 for _ in range(3 * ilp.ROWS_PER_ROUND))
-    inp = SolverInput(costs, edges, rows, 20.0, solver=SolverSettings(time_limit=5),
+    memory_rows = tuple(tuple((int(i), np.array([8.0, 4.0, 2.0]))
+                              for i in rng.choice(n, 4, False))
+                        for _ in range(3 * rows.PER_ROUND))
+    inp = SolverInput(costs, edges, memory_rows, 20.0, solver=SolverSettings(time_limit=5),
                       deadline=Deadline(5.0))
     seen = []
 
@@ -128,18 +125,18 @@ def test_time_is_kept_for_cp_sat_when_highs_finds_no_plan_that_fits(monkeypatch)
         return "timeout", None
 
     monkeypatch.setattr(mip, "solve", no_plan)
-    monkeypatch.setattr(ilp, "greedy_choices", lambda _: [])
+    monkeypatch.setattr(greedy, "choices", lambda _: [])
     sol = solve(inp)
     assert sol.solver == "cp-sat" and not sol.optimal
     assert evaluate(inp, sol.choice)[1] <= 20.0
     assert seen and max(seen) <= 5.0 * 1.2 * ilp.MIP_SHARE + 1e-6  # 1.2: the grace
     # without a deadline nothing is kept back: HiGHS's timeout is the search's
-    with pytest.raises(ilp.SearchTimeout):
+    with pytest.raises(types.SearchTimeout):
         solve(dataclasses.replace(inp, deadline=None))
     # where a fallback fits, HiGHS has all the time, and the fallback is returned
     seen.clear()
     smallest = (2,) * n
-    monkeypatch.setattr(ilp, "greedy_choices", lambda _: [smallest])
+    monkeypatch.setattr(greedy, "choices", lambda _: [smallest])
     sol = solve(dataclasses.replace(inp, deadline=Deadline(5.0)))
     assert sol.solver == "fallback" and sol.choice == smallest
     assert max(seen) > 5.0 * 1.2 * ilp.MIP_SHARE

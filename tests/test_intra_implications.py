@@ -11,15 +11,10 @@ import pytest
 from ortools.sat.python import cp_model
 
 from shardplan.intra.settings import SolverSettings
-from shardplan.intra.solve import cpsat, mip, presolve
-from shardplan.intra.solve.ilp import (
-    Implication,
-    SolverInput,
-    brute_force,
-    evaluate,
-    greedy_choices,
-    solve,
-)
+from shardplan.intra.solve import cpsat, greedy, mip, presolve
+from shardplan.intra.solve.brute_force import brute_force
+from shardplan.intra.solve.ilp import solve
+from shardplan.intra.solve.types import Implication, SolverInput, evaluate
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
 WORK = SolverSettings(time_limit=10, deterministic=True)
@@ -28,7 +23,7 @@ ON = np.array([False, True])
 
 
 def as_edges(inp: SolverInput) -> SolverInput:
-    """The same problem with each row written as an edge of infinite entries (as hubs.py did)."""
+    """The same problem with each row written as an edge of infinite entries (as combiner/gradient_latency.py did)."""
     rows = tuple((r.a, r.b, np.where(r.when[:, None] & ~r.allowed[None, :], np.inf, 0.0))
                  for r in inp.implications)
     return dataclasses.replace(inp, implications=(), edges=inp.edges + rows)
@@ -145,5 +140,5 @@ def test_canonical_and_greedy_keep_the_rows():
                                     Implication(1, np.array([True, False, False]), 2, ON)))
     assert presolve.canonical(inp, (1, 1, 0)) == (1, 1, 0)
     assert presolve.canonical(inp, (1, 0, 1)) == (0, 0, 1)
-    for choice in greedy_choices(inp):
+    for choice in greedy.choices(inp):
         assert all(r.holds(choice) for r in inp.implications)

@@ -9,8 +9,21 @@ import numpy as np
 import pytest
 
 from shardplan.intra.settings import SolverSettings
-from shardplan.intra.solve import cpsat, ilp, mip
-from shardplan.intra.solve.ilp import Copy, InfeasibleMemory, SearchTimeout, SolverInput
+from shardplan.intra.solve import (
+    brute_force,
+    cpsat,
+    ilp,
+    least_memory,
+    mip,
+    rows,
+    types,
+)
+from shardplan.intra.solve.types import (
+    Copy,
+    InfeasibleMemory,
+    SearchTimeout,
+    SolverInput,
+)
 from shardplan.units import Deadline, fmt_bytes, parse_bytes
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
@@ -44,9 +57,9 @@ def memory_problem(seed, n=6, k=3, rows=12, copies=4):
 @pytest.mark.parametrize("seed", range(12))
 def test_lazy_rows_and_copies_match_brute_force(seed):
     inp = memory_problem(seed)
-    assert len(inp.memory_rows) > ilp.ROWS_PER_ROUND  # the rows are added lazily
+    assert len(inp.memory_rows) > rows.PER_ROUND  # the rows are added lazily
     try:
-        ref = ilp.brute_force(inp)
+        ref = brute_force.brute_force(inp)
     except InfeasibleMemory as e:
         with pytest.raises(InfeasibleMemory) as got:
             ilp.solve(inp)
@@ -56,16 +69,16 @@ def test_lazy_rows_and_copies_match_brute_force(seed):
     sol = ilp.solve(inp)
     assert sol.optimal
     assert sol.objective == pytest.approx(ref.objective, rel=1e-5, abs=1e-6)
-    assert ilp.evaluate(inp, sol.choice)[1] <= inp.memory_budget
-    assert sol.peak_memory == pytest.approx(ilp.evaluate(inp, sol.choice)[1])
+    assert types.evaluate(inp, sol.choice)[1] <= inp.memory_budget
+    assert sol.peak_memory == pytest.approx(types.evaluate(inp, sol.choice)[1])
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_min_memory_matches_brute_force(seed):
     inp = memory_problem(seed)
-    value, exact = ilp.min_memory_bound(inp)
+    value, exact = least_memory.min_memory_bound(inp)
     assert exact
-    assert value == pytest.approx(ilp._min_peak_brute(inp))
+    assert value == pytest.approx(brute_force.min_peak(inp))
 
 
 def test_a_copy_counts_only_when_the_layouts_differ():
@@ -86,7 +99,7 @@ def test_a_copy_that_grows_a_buffer_is_never_below_nothing():
 @pytest.mark.parametrize("seed", range(3))
 def test_the_least_memory_found_is_a_plan_and_bounds_the_least(seed):
     inp = memory_problem(seed)
-    value, exact, found = ilp.least_memory(inp)
+    value, exact, found = least_memory.least(inp)
     assert exact and found == pytest.approx(value)
     e = InfeasibleMemory(1.0, 10.0, exact=False, found_bytes=12.0)
     assert e.found_bytes == 12.0 and "a plan that needs 12 B was found" in str(e), str(e)
@@ -108,7 +121,7 @@ def test_an_expired_deadline_returns_a_fallback_that_fits_at_once(monkeypatch):
                       row_copies=inp.row_copies, deadline=Deadline(0.0))
     sol = ilp.solve(inp)
     assert not sol.optimal and sol.solver == "fallback"
-    assert ilp.evaluate(inp, sol.choice)[1] <= inp.memory_budget
+    assert types.evaluate(inp, sol.choice)[1] <= inp.memory_budget
 
 
 def test_an_expired_deadline_with_nothing_that_fits_says_time_ran_out():
@@ -142,7 +155,7 @@ def test_a_budget_below_every_nodes_smallest_is_infeasible_without_a_search(monk
         ilp.solve(inp)
     assert e.value.min_bytes > 1.0
     if e.value.exact:
-        assert e.value.min_bytes == pytest.approx(ilp._min_peak_brute(inp))
+        assert e.value.min_bytes == pytest.approx(brute_force.min_peak(inp))
 
 
 def test_cp_sat_gets_only_what_remains():

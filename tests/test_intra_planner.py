@@ -5,7 +5,7 @@ import pytest
 
 from shardplan import models
 from shardplan.cluster import parse_cluster
-from shardplan.intra.solve import mip
+from shardplan.intra.solve import mip, types
 from shardplan.ir.trace import trace
 from shardplan.options import DEFAULTS
 from shardplan.planning.expert_plans import expert_plans
@@ -61,16 +61,15 @@ def test_under_a_budget_the_free_solve_leaves_the_seeds_a_share_of_the_time():
     import numpy as np
 
     from shardplan.intra import planner
-    from shardplan.intra.solve import ilp
 
     deadline = Deadline(10.0)
     seeds = {"fsdp": {}}
-    inp = ilp.SolverInput(node_costs=(np.zeros(2),), memory_budget=1.0, deadline=deadline)
+    inp = types.SolverInput(node_costs=(np.zeros(2),), memory_budget=1.0, deadline=deadline)
     free = planner._leaving_seeds_time(inp, seeds)
     assert free.deadline.limit_s == pytest.approx(10.0 * (1 - planner.SEED_SHARE), abs=0.05)
     assert free.deadline.grace == 0.0 and inp.deadline is deadline
     assert planner._leaving_seeds_time(inp, {}) is inp
-    unbudgeted = ilp.SolverInput(node_costs=(np.zeros(2),), deadline=deadline)
+    unbudgeted = types.SolverInput(node_costs=(np.zeros(2),), deadline=deadline)
     assert planner._leaving_seeds_time(unbudgeted, seeds) is unbudgeted
 
 
@@ -79,10 +78,9 @@ def test_a_search_that_runs_out_names_the_callers_time_limit(monkeypatch):
     gave, not the share of it the free solve had (a 30 s search said "the time limit of
     15.658 s ran out")."""
     from shardplan.intra import planner
-    from shardplan.intra.solve import ilp
 
     def runs_out(inp):
-        raise ilp.SearchTimeout(inp.deadline.limit_s, "the ILP found no plan that fits")
+        raise types.SearchTimeout(inp.deadline.limit_s, "the ILP found no plan that fits")
 
     monkeypatch.setattr(planner.ilp, "solve", runs_out)
     step = models.get_model("gpt", abstract=True)
@@ -91,7 +89,7 @@ def test_a_search_that_runs_out_names_the_callers_time_limit(monkeypatch):
     options = DEFAULTS.replace(memory_budget=1000, time_limit=12.0,
                                state_argnums=step.state_argnums,
                                batch_argnums=step.batch_argnums)
-    with pytest.raises(ilp.SearchTimeout, match=r"the time limit of 12 s ran out") as caught:
+    with pytest.raises(types.SearchTimeout, match=r"the time limit of 12 s ran out") as caught:
         plan_step(traced, MeshShape(("data", "model"), (2, 4)), hw, options,
                   deadline=Deadline(12.0))
     assert caught.value.time_limit_s == 12.0

@@ -10,13 +10,9 @@ import pytest
 
 from shardplan.intra.settings import SolverSettings
 from shardplan.intra.solve import presolve
-from shardplan.intra.solve.ilp import (
-    InfeasibleMemory,
-    SolverInput,
-    brute_force,
-    evaluate,
-    solve,
-)
+from shardplan.intra.solve.brute_force import brute_force
+from shardplan.intra.solve.ilp import solve
+from shardplan.intra.solve.types import InfeasibleMemory, SolverInput, evaluate
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
 WORK = SolverSettings(time_limit=10, deterministic=True)

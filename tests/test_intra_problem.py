@@ -8,7 +8,8 @@ import pytest
 
 from shardplan.cost.hardware import get_profile
 from shardplan.cost.model import AlphaBetaCost
-from shardplan.intra.problem import IntraOptions, Problem
+from shardplan.intra.problem import Problem
+from shardplan.intra.settings import IntraOptions
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.strategies.spec import MeshShape, ShardSpec
@@ -48,15 +49,15 @@ def test_a_stacked_value_is_priced_as_its_layers_one_by_one():
     problem = _problem(graph)
     ys = graph.values[stack.outputs[0]]
     one = graph.values[stack.inputs[0]]
-    assert problem.layers(ys) == 4 and problem.layers(one) == 1
+    assert problem.reshards.layers(ys) == 4 and problem.reshards.layers(one) == 1
     src, dst = ShardSpec(((), ("data",), ())), ShardSpec.replicated(3)
     one_src, one_dst = ShardSpec((("data",), ())), ShardSpec.replicated(2)
     per_layer = problem.cost.reshard_time(one, one_src, one_dst)
     assert per_layer > 0
     # the same bytes as the whole stack, a latency per layer
-    assert problem.reshard_time(ys, src, dst) == pytest.approx(4 * per_layer)
-    assert problem.reshard_time(ys, src, dst) > problem.cost.reshard_time(ys, src, dst)
-    assert problem.reshard_time(one, one_src, one_dst) == per_layer
+    assert problem.reshards.reshard_time(ys, src, dst) == pytest.approx(4 * per_layer)
+    assert problem.reshards.reshard_time(ys, src, dst) > problem.cost.reshard_time(ys, src, dst)
+    assert problem.reshards.reshard_time(one, one_src, one_dst) == per_layer
 
 
 def _layered_step(layers=4, cast=False):
@@ -167,7 +168,7 @@ def test_a_value_read_several_times_gets_twins_that_reshard_it_once_where_it_is_
         spec = twin.out_specs[k]
         assert not spec.partial and spec != made and twin.out_specs[:k] == base.out_specs[:k]
         extra = twin.comms[len(base.comms):]
-        assert extra == problem.reshard_comms(graph.values[v], made, spec)
+        assert extra == problem.reshards.reshard_comms(graph.values[v], made, spec)
         if made.partial:
             assert {c.kind for c in extra} <= {"all-reduce", "reduce-scatter"}
         else:  # gathered: each dimension keeps a prefix of its axes
@@ -200,20 +201,20 @@ def test_a_scatter_adds_partial_sum_is_reduced_whole_before_it_is_sliced():
     for node, reduced_whole in ((scatter, True), (dot, False)):
         value = graph.values[node.outputs[0]]
         sliced_first = problem.cost.reshard_time(value, src, dst)
-        got = problem.reshard_time(value, src, dst)
+        got = problem.reshards.reshard_time(value, src, dst)
         if reduced_whole:
-            assert problem.whole_first(value, src, dst) == ShardSpec(((), ("model",)))
+            assert problem.reshards.whole_first(value, src, dst) == ShardSpec(((), ("model",)))
             assert got == pytest.approx(problem.cost.reshard_time(value, src, whole))
             assert got > sliced_first
-            assert [c.nbytes for c in problem.reshard_comms(value, src, dst)] == [256 * 64 * 4]
+            assert [c.nbytes for c in problem.reshards.reshard_comms(value, src, dst)] == [256 * 64 * 4]
             assert [c.nbytes for c in problem.cost.reshard_comms(value, src, dst)] == [
                 256 * 64 * 4 // 2]
         else:
-            assert problem.whole_first(value, src, dst) is None and got == sliced_first
+            assert problem.reshards.whole_first(value, src, dst) is None and got == sliced_first
     # where the profile forms reduce-scatters, the whole is reduce-scattered over `model`
     tpu = Problem(graph, MESH, AlphaBetaCost(MESH, get_profile("tpu-v4")), IntraOptions())
     value = graph.values[scatter.outputs[0]]
-    assert [(c.kind, c.nbytes) for c in tpu.reshard_comms(value, src, dst)] == [
+    assert [(c.kind, c.nbytes) for c in tpu.reshards.reshard_comms(value, src, dst)] == [
         ("reduce-scatter", 256 * 64 * 4)]
 
 

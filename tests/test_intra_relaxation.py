@@ -7,7 +7,7 @@ from scipy import optimize, sparse
 
 from shardplan.intra.settings import SolverSettings
 from shardplan.intra.solve import mip, relaxation
-from shardplan.intra.solve.ilp import SolverInput
+from shardplan.intra.solve.types import SolverInput
 
 # Solves limited by their work, not the wall clock: the verdicts hold at any load.
 WORK = SolverSettings(time_limit=10, deterministic=True)

@@ -9,7 +9,9 @@ import numpy as np
 
 from shardplan.cost.hardware import get_profile
 from shardplan.cost.model import AlphaBetaCost
-from shardplan.intra.problem import IntraOptions, Problem, is_tensor
+from shardplan.intra.memory.buffers import is_tensor
+from shardplan.intra.problem import Problem
+from shardplan.intra.settings import IntraOptions
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
@@ -65,10 +67,10 @@ def test_shared_prices_are_each_members_own():
             return
         trips = p.edge_trips(src, dst)
         if rp == rn:
-            want_u[rp] += [trips * p.edge_time(value, s, spec_of(k))
+            want_u[rp] += [trips * p.reshards.edge_time(value, s, spec_of(k))
                            for k, s in enumerate(srcs)]
             return
-        mat = np.array([[p.edge_time(value, s, spec_of(k)) for k in
+        mat = np.array([[p.reshards.edge_time(value, s, spec_of(k)) for k in
                          range(len(p.strategies[rn]))] for s in srcs])
         if mat.any():
             want_e[(rp, rn)] = want_e.get((rp, rn), 0) + trips * mat
@@ -90,7 +92,7 @@ def test_shared_prices_are_each_members_own():
             src, out_idx = p.producer[v]
             specs = [p.out_spec(src, out_idx, k) for k in range(len(p.strategies[root[src]]))]
             want_u[root[src]] += [
-                (p.edge_time(g.values[v], s, s.without_partial()) if s.partial else 0.0)
+                (p.reshards.edge_time(g.values[v], s, s.without_partial()) if s.partial else 0.0)
                 + p.output_io_time(g.values[v], s.without_partial()) for s in specs]
     assert p.fanout_of and any(root[m] != m for m in range(len(p.strategies)))
     for r in p.roots:

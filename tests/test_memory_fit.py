@@ -314,7 +314,8 @@ def test_a_scattered_gradient_the_plan_reduces_is_held_for_the_combined_all_redu
     import jax.numpy as jnp
 
     from shardplan.cost.model import AlphaBetaCost
-    from shardplan.intra.problem import IntraOptions, Problem
+    from shardplan.intra.problem import Problem
+    from shardplan.intra.settings import IntraOptions
 
     def step(emb, tokens):
         def loss(e):
@@ -355,7 +356,8 @@ def test_two_dots_reading_one_layout_of_a_value_share_its_copy():
     import numpy as np
 
     from shardplan.cost.model import AlphaBetaCost
-    from shardplan.intra.problem import IntraOptions, Problem
+    from shardplan.intra.problem import Problem
+    from shardplan.intra.settings import IntraOptions
 
     def step(w1, w2, x):
         return jnp.sum(jnp.tanh(x @ w1) * jnp.exp(x @ w2))
@@ -394,7 +396,8 @@ def test_a_convolution_reading_its_operand_in_another_layout_holds_a_transposed_
     size on 8 devices: 96 KiB live from the start that the model missed, compiled 1.074x its
     estimate). The forward convolution reads them as they are: no copy."""
     from shardplan.cost.model import AlphaBetaCost
-    from shardplan.intra.problem import IntraOptions, Problem
+    from shardplan.intra.problem import Problem
+    from shardplan.intra.settings import IntraOptions
 
     _, graph = _graph("vit")
     mesh = MeshShape(("d",), (8,))
@@ -421,7 +424,8 @@ def test_a_layer_norms_backward_reductions_hold_their_broadcast_operands_when_la
     ways (1088 elements a device), XLA reduces with its own emitter and holds none (GPT at
     test size on 8 devices, its batch split: none in its compiled program)."""
     from shardplan.cost.model import AlphaBetaCost
-    from shardplan.intra.problem import IntraOptions, Problem
+    from shardplan.intra.problem import Problem
+    from shardplan.intra.settings import IntraOptions
 
     mesh = MeshShape(("d",), (8,))
     _, graph = _graph("vit")

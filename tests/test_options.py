@@ -5,9 +5,8 @@ import pytest
 
 import shardplan
 from shardplan.config import SearchSection, parse_config
-from shardplan.intra.planner import IntraOptions
-from shardplan.intra.settings import SolverSettings
-from shardplan.intra.solve.ilp import SolverInput
+from shardplan.intra.settings import IntraOptions, SolverSettings
+from shardplan.intra.solve.types import SolverInput
 from shardplan.options import DEFAULTS, SearchOptions
 
 

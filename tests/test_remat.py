@@ -18,7 +18,7 @@ from shardplan import _compat
 from shardplan.config import apply_overrides, parse_config
 from shardplan.fingerprint import plan_fingerprint
 from shardplan.intra.memory import liveness
-from shardplan.intra.solve.ilp import InfeasibleMemory
+from shardplan.intra.solve.types import InfeasibleMemory
 from shardplan.ir import remat
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace

@@ -27,7 +27,8 @@ from shardplan.inter import stage_io
 from shardplan.inter import stages as stages_mod
 from shardplan.inter import submesh as submesh_mod
 from shardplan.inter.submesh import STAGE_AXES
-from shardplan.intra.planner import IntraOptions, plan_intra
+from shardplan.intra.planner import plan_intra
+from shardplan.intra.settings import IntraOptions
 from shardplan.ir.graph import Role
 from shardplan.ir.layers import cut_bytes
 from shardplan.ir.lift import ArgInfo, lift

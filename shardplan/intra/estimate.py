@@ -6,7 +6,8 @@ from __future__ import annotations
 from shardplan.cost import collectives
 from shardplan.cost.estimate import Estimate
 from shardplan.intra.combiner import xla
-from shardplan.intra.problem import Problem, is_tensor
+from shardplan.intra.memory.buffers import is_tensor
+from shardplan.intra.problem import Problem
 from shardplan.ir.graph import Role
 from shardplan.strategies.base import Collective
 from shardplan.strategies.spec import MeshShape, ShardSpec
@@ -25,9 +26,9 @@ def peak_bytes(problem: Problem, chosen) -> float:
 def stale_partials(problem: Problem, chosen, value_specs, fanout) -> dict[int, frozenset]:
     """Value id -> the partial axes of its spec that XLA has already reduced: XLA reduces a
     partial sum once, where the first reader needs it whole, and every reader then reads the
-    sum (measured: on ViT at test size on 2x4, a backward matmul's output partial over `data`
-    is read whole by one op and partial by a layer norm's reductions, whose own partial sums
-    XLA then never reduces over `data`). A node's output is stale over an axis when each input
+    sum: a reader that reads it partial reads the reduced sum, and what it computes from it
+    is never reduced over those axes again (tests/test_intra_reduce_scatter.py::
+    test_a_sum_constrained_whole_another_reader_reads_partial_is_all_reduced). A node's output is stale over an axis when each input
     it reads partial over that axis is reduced or stale over it."""
     g, n_in = problem.graph, problem.num_inputs
     wanted: dict[int, list] = {}  # value id -> the specs its readers want
@@ -68,9 +69,10 @@ def stale_partials(problem: Problem, chosen, value_specs, fanout) -> dict[int, f
 def partial_origins(problem: Problem, chosen, value_specs) -> dict[int, tuple[frozenset, ...]]:
     """Value id -> its partial axes grouped by the node and operand dimension that made them
     partial, for values partial over two or more such groups. XLA reduces each group with
-    its own all-reduce (measured: on BERT at test size on 2x4, a layer norm's scale gradient,
-    summed over the batch split on `model` and the sequence split on `data`, is all-reduced
-    once over each axis, each joining the combined all-reduce of its axis), where a sum over
+    its own all-reduce (a layer norm's scale gradient summed over the batch split on one axis
+    and the sequence split on the other is all-reduced once over each axis, each joining the
+    combined all-reduce of its axis: tests/test_intra_combiner.py::
+    test_combined_all_reduces_as_compiled), where a sum over
     one dimension split on both axes is one all-reduce over all their devices."""
     g, n_in = problem.graph, problem.num_inputs
     groups: dict[int, tuple[frozenset, ...]] = {}
@@ -106,12 +108,12 @@ def whole_first(src: ShardSpec, dst: ShardSpec, mesh: MeshShape) -> bool:
     a slice): where a mesh axis neither layout uses has a multiple of their devices. Left to
     itself XLA's partitioner computes such a sum on a slice taken over that idle axis,
     all-reduces the slice and moves it to its devices with a collective-permute over both
-    axes (BERT base on 8x8 with the batch on `model`: 25 permutes over the inter-host axis,
-    1.73 ms of the 3.98 ms of communication the a100-80gb profile prices, none planned);
-    constrained whole first, it runs the all-reduce and slice the model priced, which GPU
-    and TPU compilers form into a reduce-scatter. With no idle axis XLA runs that already,
-    and a whole layout constrained on the way costs more (GPT-2 124M on 8x8: 10.50 ->
-    11.42 ms compiled). Measured: data 4 / model 2 and 8 / 8 sliced, data 2 / model 4 not."""
+    axes, which no plan priced; constrained whole first, it runs the all-reduce and slice
+    the model priced, which GPU and TPU compilers form into a reduce-scatter. With no idle
+    axis XLA runs that already, and a whole layout constrained on the way costs more
+    (tests/test_intra_reduce_scatter.py::
+    test_a_gradient_split_over_its_summed_axis_compiles_as_planned_on_an_idle_axis and
+    test_reduced_first_only_where_an_idle_axis_could_hold_the_slice)."""
     if not src.partial or dst.partial:
         return False
     scattered = set(src.partial) & {a for d in dst.dims for a in d}
@@ -126,9 +128,8 @@ def scattered_whole(src: ShardSpec, dst: ShardSpec, read_partial, mesh: MeshShap
     """Whether the all-reduce of a partial sum constrained whole (whole_first) is read whole,
     not sliced: when another reader reads the value partial over the scattered axes, XLA
     hands it the whole sum the constraint made (stale_partials), and runs no reduce-scatter
-    (measured: ViT-B/16 on 8x8, a layer norm's input gradient split by batch into its `mul`
-    and summed by its bias gradient: six all-reduces compiled where the model expected
-    reduce-scatters; GPT-2 124M on 8x8, no idle axis, the same gradient reduce-scattered)."""
+    (tests/test_intra_reduce_scatter.py::
+    test_a_sum_constrained_whole_another_reader_reads_partial_is_all_reduced)."""
     if not whole_first(src, dst, mesh):
         return False
     return bool(set(src.partial) & {a for d in dst.dims for a in d} & set(read_partial))
@@ -174,7 +175,7 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
                         for x in (src, dst))
         if src == dst or (value.ndim == 0 and not src.partial) or (value.id, src, dst) in done:
             return
-        mid = problem.whole_first(value, src, dst)  # reduced before it is sliced
+        mid = problem.reshards.whole_first(value, src, dst)  # reduced before it is sliced
         if mid is None and scattered_whole(src, dst, read_partial.get(value.id, ()), cost.mesh):
             mid = src.without_partial()
         if mid is not None:
@@ -191,7 +192,7 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
             comms = tuple(Collective("all-reduce", axes, comms[0].nbytes) for axes in split)
             comm += trips * collectives.comms_time(comms, cost.mesh, cost.links)
         else:
-            comm += trips * problem.reshard_time(value, src, dst)
+            comm += trips * problem.reshards.reshard_time(value, src, dst)
         comm_bytes += trips * collectives.comms_bytes(comms, cost.mesh)
         expected.extend((f"{where}: {src} -> {dst}", c) for c in comms)
         edge_reds.setdefault(value.id, []).extend((trips, c) for c in comms

@@ -14,9 +14,10 @@ from shardplan.cost.estimate import Estimate
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra import estimate as estimate_mod
 from shardplan.intra import experts
-from shardplan.intra.problem import IntraOptions, Problem, is_tensor
-from shardplan.intra.settings import SolverSettings
-from shardplan.intra.solve import ilp
+from shardplan.intra.memory.buffers import is_tensor
+from shardplan.intra.problem import Problem
+from shardplan.intra.settings import IntraOptions, SolverSettings
+from shardplan.intra.solve import greedy, ilp, types
 from shardplan.ir.graph import Graph
 from shardplan.strategies import coverage as coverage_mod
 from shardplan.strategies.base import Strategy
@@ -49,7 +50,7 @@ class IntraPlan:
     made_specs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
 
 
-def _pinned(problem: Problem, inp: ilp.SolverInput, fixed: Mapping[int, ShardSpec]):
+def _pinned(problem: Problem, inp: types.SolverInput, fixed: Mapping[int, ShardSpec]):
     """The same ILP with the inputs in `fixed` pinned (other choices of theirs forbidden), or
     None when tied inputs are pinned to different specs."""
     costs = [c.copy() for c in inp.node_costs]
@@ -69,13 +70,13 @@ def _pinned(problem: Problem, inp: ilp.SolverInput, fixed: Mapping[int, ShardSpe
 
 # Under a budget and a deadline, the share of the time kept from the free solve for the
 # expert seeds after it, should it not prove its plan optimal: a budgeted free solve that ran
-# to the end left them none, and they were evaluated, not completed (llama-7b on 8x8 under
-# 80 GB: its LP alone took the 30 s, and the 2-D expert's inputs, each other node at its
-# cheapest, cost 661 ms where their completion by the ILP costs 255 ms, compiled).
+# to the end would leave them none, and they would be evaluated, each other node at its
+# cheapest, not completed by the ILP (tests/test_intra_planner.py::
+# test_under_a_budget_the_free_solve_leaves_the_seeds_a_share_of_the_time).
 SEED_SHARE = 0.25
 
 
-def _leaving_seeds_time(inp: ilp.SolverInput, seeds) -> ilp.SolverInput:
+def _leaving_seeds_time(inp: types.SolverInput, seeds) -> types.SolverInput:
     """`inp` for the free solve: under a budget with seeds to follow, its deadline ends early
     enough to leave them SEED_SHARE of the time (no grace past it)."""
     if not seeds or inp.deadline is None or inp.memory_budget is None:
@@ -84,7 +85,7 @@ def _leaving_seeds_time(inp: ilp.SolverInput, seeds) -> ilp.SolverInput:
     return inp.replace(deadline=Deadline(left * (1 - SEED_SHARE), grace=0.0))
 
 
-def _seeded(pinned: ilp.SolverInput, solver: SolverSettings) -> ilp.Solution:
+def _seeded(pinned: types.SolverInput, solver: SolverSettings) -> types.Solution:
     """The best plan with an expert's inputs. Under a budget, first as measure writes the
     expert's plan (shardplan.planning.expert_plans: the ILP around its inputs without the budget;
     fast, as no memory row keeps presolve or the LP from the problem): if that fits, nothing
@@ -92,13 +93,13 @@ def _seeded(pinned: ilp.SolverInput, solver: SolverSettings) -> ilp.Solution:
     if pinned.memory_budget is None:
         return ilp.solve(pinned)
     free = ilp.solve(dataclasses.replace(ilp.without_memory(pinned), solver=solver))
-    obj, peak = ilp.evaluate(pinned, free.choice)
+    obj, peak = types.evaluate(pinned, free.choice)
     if np.isfinite(obj) and peak <= pinned.memory_budget:
-        return ilp.Solution(free.choice, obj, peak, free.optimal, free.solver)
+        return types.Solution(free.choice, obj, peak, free.optimal, free.solver)
     return ilp.solve(pinned.replace(hint=free.choice))
 
 
-def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOptions):
+def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOptions):
     """Solve the ILP free and, unless that solve is proven optimal, with each expert plan's
     inputs pinned; keep the cheapest. A pinned problem is the free one with fewer choices, so
     it can only win when the free solve stopped at its time limit: the seeds are the guard
@@ -114,7 +115,7 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
     candidates, notes, timeout = [], [], None
     try:
         candidates.append(("searched", ilp.solve(_leaving_seeds_time(inp, seeds))))
-    except ilp.SearchTimeout as e:
+    except types.SearchTimeout as e:
         timeout = e
     proven = bool(candidates) and candidates[0][1].optimal
     skipped = []
@@ -128,26 +129,26 @@ def _solve_with_seeds(problem: Problem, inp: ilp.SolverInput, options: IntraOpti
                 # The expert's inputs, every other node at its cheapest or as a greedy pass
                 # propagates them (as XLA would): kept if it fits.
                 fits = []
-                for choice in (pinned.hint, *ilp.greedy_choices(pinned)):
-                    obj, peak = ilp.evaluate(pinned, choice)
+                for choice in (pinned.hint, *greedy.choices(pinned)):
+                    obj, peak = types.evaluate(pinned, choice)
                     if np.isfinite(obj) and (inp.memory_budget is None
                                              or peak <= inp.memory_budget):
                         fits.append((obj, choice, peak))
                 if fits:
                     obj, choice, peak = min(fits)
                     candidates.append((f"{name} (pinned, not searched)",
-                                       ilp.Solution(choice, obj, peak, False, "pinned")))
+                                       types.Solution(choice, obj, peak, False, "pinned")))
                 continue
             try:
                 candidates.append((f"{name}-seeded", _seeded(pinned, inp.solver)))
-            except (ilp.InfeasibleMemory, ilp.SearchTimeout):
+            except (types.InfeasibleMemory, types.SearchTimeout):
                 continue
     cut_short = timeout is not None or bool(skipped) or (
         not proven and deadline is not None and deadline.expired())
     candidates = [(n, s) for n, s in candidates if np.isfinite(s.objective)]
     if not candidates:
         # the time limit the caller gave (the free solve's own deadline is a share of it)
-        raise ilp.SearchTimeout(
+        raise types.SearchTimeout(
             deadline.limit_s if deadline else inp.solver.time_limit,
             "neither the ILP nor an expert plan's inputs gave a plan that fits in it") from timeout
     best_name, best = min(candidates, key=lambda c: c[1].objective)
@@ -177,10 +178,10 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
     inp = problem.solver_input()
     try:
         solution, notes = _solve_with_seeds(problem, inp, options)
-    except ilp.InfeasibleMemory as e:
+    except types.InfeasibleMemory as e:
         if not options.memory_margin:
             raise
-        raise ilp.InfeasibleMemory(options.memory_budget, e.min_bytes, e.exact,
+        raise types.InfeasibleMemory(options.memory_budget, e.min_bytes, e.exact,
                                    margin=options.memory_margin,
                                    found_bytes=e.found_bytes) from None
     if options.memory_budget is not None and options.memory_margin:
@@ -224,7 +225,7 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
                 continue
             if twin is not None and twin[0] == k and (
                     estimate_mod.whole_first(twin[1], spec, mesh)
-                    or problem.whole_first(graph.values[v], twin[1], spec) is not None):
+                    or problem.reshards.whole_first(graph.values[v], twin[1], spec) is not None):
                 resharded_from[v] = twin[1]
                 continue
             # Every value is pinned to its planned spec (partial sums cannot be written as a
@@ -251,7 +252,7 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
             src, route = resharded_from.get(v, value_specs[v]), []
             for target in (fanout.get(v) or (value_specs[v] if v in resharded_from else None), dst):
                 if target is not None and target != src:
-                    mid = problem.whole_first(graph.values[v], src, target)
+                    mid = problem.reshards.whole_first(graph.values[v], src, target)
                     route += [mid] if mid is not None else reduced_first(src, target, mesh)
                     route += problem.cost.reshard_path(graph.values[v], mid or src, target)
                     src = target

@@ -11,6 +11,8 @@ import numpy as np
 from shardplan.cost.model import CONTRACTIONS, AlphaBetaCost
 from shardplan.intra import hints as hints_mod
 from shardplan.intra.combiner import gradient_latency, loss_latency, xla
+from shardplan.intra.memory.buffers import is_tensor
+from shardplan.intra.memory.model import MemoryModel
 from shardplan.intra.reshard_prices import ReshardPrices
 from shardplan.intra.settings import IntraOptions
 from shardplan.intra.simplify import (
@@ -21,7 +23,7 @@ from shardplan.intra.simplify import (
     reduce_once,
     tie_layers,
 )
-from shardplan.intra.solve import ilp
+from shardplan.intra.solve import types
 from shardplan.ir.graph import Graph, Role, Value
 from shardplan.strategies import registry
 from shardplan.strategies.base import Strategy
@@ -54,11 +56,7 @@ def _held(strategies: list[list[Strategy]], pins: hints_mod.ModelPins) -> list[l
     return out
 
 
-def is_tensor(value: Value) -> bool:
-    return not value.is_literal and value.const is None
-
-
-class Problem(ReshardPrices):
+class Problem:
     """The members (inputs and nodes), their strategies and groups, and the ILP they make."""
 
     def __init__(self, graph: Graph, mesh: MeshShape, cost: AlphaBetaCost, options: IntraOptions):
@@ -85,6 +83,7 @@ class Problem(ReshardPrices):
         for node in graph.nodes:
             for k, v in enumerate(node.outputs):
                 self.producer[v] = (n_in + node.id, k)
+        self.reshards = ReshardPrices(graph, mesh, cost, self.producer, n_in, self.latency_free)
         self.num_real = len(self.strategies)
         self.source = dict(self.producer)
         self.fanout_of: list[int] = []
@@ -95,7 +94,7 @@ class Problem(ReshardPrices):
         if mode == "reduce":
             self.strategies, self.twins = reduce_once(
                 graph, self.strategies, mesh, {v for v, _ in fanned},
-                lambda value, src, dst: self.reshard_comms(value, src, dst))
+                lambda value, src, dst: self.reshards.reshard_comms(value, src, dst))
         for v, strategies in fanned:
             self.source[v] = (len(self.strategies), 0)
             self.strategies.append(strategies)
@@ -297,7 +296,7 @@ class Problem(ReshardPrices):
         # matrix, and each layout pair's time, are computed once.
         memo = self.__dict__.setdefault("_reshard_memo", {})
         shape = (value.shape, value.dtype, value.itemsize, self.latency_free((value.id,)),
-                 self.reduced_whole(value))
+                 self.reshards.reduced_whole(value))
         key = (shape, tuple(srcs), tuple(dsts))
         if key in memo:
             return memo[key]
@@ -308,7 +307,7 @@ class Problem(ReshardPrices):
         def time(a, b):
             k = (shape, a, b)
             if k not in memo:
-                memo[k] = self.edge_time(value, a, b)
+                memo[k] = self.reshards.edge_time(value, a, b)
             return memo[k]
 
         u = np.array([[time(a, b) for b in ud] for a in us])
@@ -329,7 +328,7 @@ class Problem(ReshardPrices):
         kind, idx = dst
         spec = self.in_spec if kind == "in" else self.out_spec
         if same_root:
-            return np.array([self.edge_time(value, srcs[k], spec(n, idx, k))
+            return np.array([self.reshards.edge_time(value, srcs[k], spec(n, idx, k))
                              for k in range(kp)])
         mat = self._reshard_matrix(value, srcs, [spec(n, idx, k) for k in range(kn)])
         return mat if mat.any() else None
@@ -399,22 +398,20 @@ class Problem(ReshardPrices):
             else:
                 rp = self.groups.root[p]
                 unary[rp] += np.array([
-                    (self.edge_time(value, s, s.without_partial()) if s.partial else 0.0)
+                    (self.reshards.edge_time(value, s, s.without_partial()) if s.partial else 0.0)
                     + self.output_io_time(value, s.without_partial())
                     for s in (self.out_spec(p, out_idx, k) for k in range(len(self.strategies[rp])))])
         return unary, edges
 
     def memory(self):
         """The memory model (intra/memory/model.py), built once."""
-        from shardplan.intra.memory.model import MemoryModel
-
         if "_memory" not in self.__dict__:
             self.__dict__["_memory"] = MemoryModel(self, self.options.donated,
                                                   self.options.memory_margin,
                                                   self.options.compiler)
         return self.__dict__["_memory"]
 
-    def solver_input(self) -> ilp.SolverInput:
+    def solver_input(self) -> types.SolverInput:
         """The ILP over representatives: tied roots add their costs to their representative."""
         unary, edges = self.edges_and_unary()
         costs = [np.zeros(len(self.strategies[r])) for r in self.reps]
@@ -438,7 +435,7 @@ class Problem(ReshardPrices):
             memory = self.memory()
             base, rows, copies, row_copies = memory.solver_terms(self.index)
             budget += memory.on_chip_allowance  # the rows count what the chip holds on chip
-        return ilp.SolverInput(node_costs, edge_list, rows, budget, self.options.solver,
+        return types.SolverInput(node_costs, edge_list, rows, budget, self.options.solver,
                                hint=(0,) * len(self.reps) + (1,) * len(hub_costs)
                                + (0,) * len(loss_costs),
                                memory_base=base,

@@ -1,12 +1,17 @@
 """What the intra-operator ILP charges for resharding a value between two layouts: a scan's
 stacked value resharded layer by layer, a partial sum XLA reduces whole before slicing it, the
-latency of reductions priced elsewhere left out. A base of intra/problem.py's Problem, which
-the ILP's edges, the estimate and the emitted routes price through."""
+latency of reductions priced elsewhere left out. intra/problem.py's Problem holds one
+(Problem.reshards), through which the ILP's edges, the estimate and the emitted routes
+price."""
 
 from __future__ import annotations
 
-from shardplan.ir.graph import Value
-from shardplan.strategies.spec import ShardSpec
+import functools
+from collections.abc import Callable, Mapping
+
+from shardplan.cost.model import AlphaBetaCost
+from shardplan.ir.graph import Graph, Value
+from shardplan.strategies.spec import MeshShape, ShardSpec
 
 # Ops whose partial sums XLA reduces whole, in the layout the op made them, before slicing
 # them for a reader that splits them further: the slice cannot move into the op (BERT's tied
@@ -16,7 +21,25 @@ REDUCED_WHOLE = frozenset({"scatter-add"})
 
 
 class ReshardPrices:
-    """Reshard pricing over a Problem's graph, mesh, cost model and producers."""
+    """Reshard pricing over a step's graph, mesh and cost model. `producer`: value -> (member,
+    output index), members numbered as Problem numbers them (the step's `num_inputs` inputs
+    first, then its nodes); `latency_free(values)`: whether the reductions making `values`
+    are priced without their own latency (Problem.latency_free)."""
+
+    def __init__(self, graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
+                 producer: Mapping[int, tuple[int, int]], num_inputs: int,
+                 latency_free: Callable[[tuple[int, ...]], bool]):
+        self.graph, self.mesh, self.cost = graph, mesh, cost
+        self.producer, self.num_inputs, self.latency_free = producer, num_inputs, latency_free
+
+    @functools.cached_property
+    def _stacked_shapes(self) -> frozenset[tuple[int, ...]]:
+        """The shapes of a scan's stacked values (what a loop_slice reads or a loop_stack
+        writes)."""
+        return frozenset(
+            self.graph.values[v].shape for node in self.graph.nodes
+            for v in ((node.inputs[0],) if node.primitive == "loop_slice" else
+                      node.outputs if node.primitive == "loop_stack" else ()))
 
     def edge_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
         """What the ILP charges for resharding `value`: reshard_time, less the latency of the
@@ -58,13 +81,7 @@ class ReshardPrices:
         """Rows of `value` that are layers of a scan: its leading dimension when it has the
         shape of a scan's stacked value (what a loop_slice reads or a loop_stack writes: the
         stacked parameters, their gradients and optimizer states, saved activations), else 1."""
-        shapes = self.__dict__.get("_stacked_shapes")
-        if shapes is None:
-            shapes = self.__dict__["_stacked_shapes"] = frozenset(
-                self.graph.values[v].shape for node in self.graph.nodes
-                for v in ((node.inputs[0],) if node.primitive == "loop_slice" else
-                          node.outputs if node.primitive == "loop_stack" else ()))
-        return value.shape[0] if value.shape in shapes else 1
+        return value.shape[0] if value.shape in self._stacked_shapes else 1
 
     def reshard_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
         """Seconds to reshard `value` from src to dst. A scan's stacked value is priced as its

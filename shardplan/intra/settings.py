@@ -65,10 +65,10 @@ class IntraOptions:
     # time limit, solver seed, threads, deterministic limits: SearchOptions' (intra/options.py)
     solver: SolverSettings = SolverSettings()
     # The memory model counts the step's activations (1 + memory_margin) times: what it does
-    # not see of XLA's buffers (intra/memory.py says what it does).
+    # not see of XLA's buffers (intra/memory/model.py says what it does).
     memory_margin: float = 0.0
     # The compiler the plan is for (HardwareProfile.backend: "cpu", "gpu", "tpu"): the memory
-    # model follows its rules (intra/compilers.py).
+    # model follows its rules (intra/memory/compilers.py).
     compiler: str = "cpu"
     # Flat input indices whose buffers the step donates (their tied outputs reuse them);
     # None: every state input (as measure and the zoo compile it).
@@ -79,27 +79,21 @@ class IntraOptions:
     max_split_dims: int = 2
     # Fan-out members price a value's resharding once for all its consumers (as XLA runs it)
     # instead of once per consumer. "partial": only for values their producer may leave
-    # partial sums (XLA reduces such a value once; the small reductions of a softmax over a
-    # split vocabulary otherwise cost a collective per reader: 1.3x the compiled comm time of
-    # Megatron's plan); "layers": only for those of them made inside a named scope (a
-    # layer) and read outside every scope: the gradients the optimizer's update reads several
-    # times (global norm, moments), which a scan reduces once, into its stacked output (priced
-    # per reader, the unrolled model's ZeRO plans paid each all-reduce 2-3 times and lost to
-    # the scanned model's plan); "reduce": the fan-outs of "layers", and every other value
-    # read several times may be resharded once where it is made (intra/simplify.py
-    # reduce_once: its producer's strategies that leave it partial get twins that all-reduce
-    # or reduce-scatter it; a cast's, twins that gather it); "reduced": the values of "partial", their fan-outs in whole
-    # layouts only; "all": exact; "none". "auto" is "partial" on meshes with one useful axis
-    # and "reduce" on the others: fan-outs grow the ILP, and on two axes they weaken its LP
-    # relaxation ("partial" planned GPT-2 124M on 2x4 in 6x the time of "layers"; "reduced"
-    # left the zoo's GPT at test size on 2x4 an LP half of every layout, 47 s for HiGHS to
-    # prove against 5 s), where twins are choices of members the ILP has already. Measured
-    # (real size, a100-80gb, each searched plan compiled; "layers" -> "reduce", compiled ms):
-    # WideResNet 250M on 8x8 8.80 -> 6.79, ViT-B/16 4.18 -> 3.99 (8x8) and 3.04 -> 2.95
-    # (2x4), the MoE 380M 10.27 -> 10.25 (8x8) and 14.65 -> 14.59, BERT base 7.92 -> 7.85
-    # and 6.49 -> 6.44, GPT-2 124M 10.50 -> 10.27 and 13.42 -> 13.28, llama 7B on 2x4 even;
-    # a batch norm's statistics and a layer norm's input, partial sums where the batch or
-    # the hidden dimension is split, each reader paid their all-reduce under "layers".
+    # partial sums (XLA reduces such a value once; priced per reader, the small reductions of
+    # a softmax over a split vocabulary cost a collective each); "layers": only for those of
+    # them made inside a named scope (a layer) and read outside every scope: the gradients the
+    # optimizer's update reads several times (global norm, moments), which a scan reduces
+    # once, into its stacked output (priced per reader, an unrolled model's ZeRO plans pay
+    # each all-reduce several times and lose to the scanned model's plan); "reduce": the
+    # fan-outs of "layers", and every other value read several times may be resharded once
+    # where it is made (intra/simplify.py reduce_once: its producer's strategies that leave
+    # it partial get twins that all-reduce or reduce-scatter it; a cast's, twins that gather
+    # it); "reduced": the values of "partial", their fan-outs in whole layouts only; "all":
+    # exact; "none". "auto" is "partial" on meshes with one useful axis and "reduce" on the
+    # others: fan-outs grow the ILP, and on two axes they weaken its LP relaxation, where
+    # twins are choices of members the ILP has already (tests/test_intra_problem.py::
+    # test_a_value_read_several_times_gets_twins_that_reshard_it_once_where_it_is_made;
+    # benchmarks/vs_experts.py compiles the searched plans against the experts').
     fanouts: str = "auto"
     # Repeated layers (numbered scopes such as layer_3) share one choice per operator.
     tie_layers: bool = True
@@ -114,22 +108,13 @@ class IntraOptions:
     seed_baselines: bool = True
     # The reductions of the step's gradients priced as XLA's combiner runs them: each without
     # its own latency, and the latency of the combined all-reduce once per mesh axes, in the
-    # plans that reduce a gradient over them (intra/hubs.py, intra/combiner.py
-    # gradient_values; the loss's last reductions join them, loss_values; its earlier ones,
-    # which the backward pass reads, keep their latency). Off for the SPMD pipeline's stage programs, whose loss and head run inside the
-    # loop of ticks, apart from the other gradients' reductions (inter/spmd_cost.py prices
-    # those collectives). Measured on (searched / best expert, compiled and priced, 8 and
-    # 2x4): gpt2-124m under a100-80gb 0.957 / 0.964 (off: 1.062 / 1.003); the zoo at test
-    # size under cpu: bert 0.971 / 0.923 (off 1.043 / 0.988), gpt 1.035 / 0.906 (1.048 /
-    # 1.082), llama 1.004 / 0.890 (1.178 / 1.024), moe 0.822 / 0.815 (0.993 / 1.025), vit
-    # 0.976 / 0.953 (0.976 / 0.986); a tied 64k-vocab embedding takes Megatron's vocab split
-    # (priced with every gradient's reduction free of latency, it took a plan 1.19x
-    # Megatron's: its one gradient reduction ran alone). Costs planning time: as edges, the
-    # hubs kept presolve from eliminating their members (benchmarks/plan_speed.py, quiet
-    # machine, s: gpt2-1.5b 8x8 unrolled 12.0 against 9.9 off, scanned 2.1 / 1.8, llama-7b
-    # 8x8 10.3 / 8.8, gpt2-124m 2x4 6.3 / 5.5); as rows (ilp.Implication) the core is the
-    # size it is off, but HiGHS's LP still takes more iterations (the unrolled gpt2-1.5b's
-    # 16k against 12k off). Off, the suite's plans are main's before
-    # this option; on, tests/test_memory_fit.py's gpt case fails: the memory model puts the
-    # new gpt 2x4 plan at 1.43 MB, compiled 1.13 MB (over-estimated, past its 10%).
+    # plans that reduce a gradient over them (intra/combiner/gradient_latency.py,
+    # intra/combiner/xla.py gradient_values; the loss's last reductions join them,
+    # loss_values; its earlier ones, which the backward pass reads, keep their latency). Off
+    # for the SPMD pipeline's stage programs, whose loss and head run inside the loop of
+    # ticks, apart from the other gradients' reductions (inter/spmd_cost.py prices those
+    # collectives). tests/test_intra_combiner.py::
+    # test_ilp_prices_data_parallel_as_compiled_and_beats_it checks the pricing against the
+    # compiled program; benchmarks/vs_experts.py compiles the searched plans against the
+    # experts'; benchmarks/plan_speed.py times the solves with the hubs' rows.
     combine_gradients: bool = True

@@ -177,7 +177,7 @@ def fanouts_of(graph: Graph, strategies: list[list[Strategy]],
                ) -> tuple[list[tuple[int, list[Strategy]]], frozenset[int]]:
     """The fan-out members a resolved fanout_mode asks for ("reduce": those of "layers"; its
     twins are reduce_once's), and the values among them that the memory model holds as copies
-    of their own (memory.py): all but those "reduced" adds to "layers" (the ILP prices them
+    of their own (memory/model.py): all but those "reduced" adds to "layers" (the ILP prices them
     reduced once; the memory model counts their readers' copies as it does without a fan-out,
     as its tests and benchmarks/memory_check.py were written for)."""
     if mode == "none":
@@ -209,8 +209,8 @@ def tie_layers(names: Sequence[str], strategies: list[list[Strategy]], roots: Se
     `signature(m)` tells members apart beyond strategies (primitive, shapes).
 
     A period of 2 lets neighbouring layers differ, as Megatron's column / row split of
-    consecutive dense layers does (with a period of 1 every Dense_i took one layout and the
-    step sent 1.1-1.6x the bytes); it admits every period-1 plan, so it is never worse."""
+    consecutive dense layers does (with a period of 1 every Dense_i takes one layout); it
+    admits every period-1 plan, so it is never worse."""
     occurrence: dict[tuple, int] = {}
     first: dict[tuple, int] = {}
     rep = {}
@@ -237,14 +237,14 @@ def reduce_once(graph: Graph, strategies: list[list[Strategy]], mesh: MeshShape,
     partial value once, where it is first read whole, for all its readers; priced on the edges
     instead, each reader pays it, and the ILP kept a batch norm's statistics and a layer norm's
     input away from the layouts that leave them partial. A fan-out member does the same with
-    a member of its own ("reduced"), at the cost of the LP relaxation: the zoo's GPT at test size
-    on 2x4 went from an integral LP to one half of every layout (HiGHS 47 s to prove it,
-    against 5 s here). A cast read by several nodes (a kernel's bf16 copy, read by its forward
-    and backward dots) gets twins that all-gather it, once (FSDP: each dot paid the gather; the
-    ILP took plans its own estimate priced 4% dearer, llama 7B's two layers on 2x4 under
-    h100-80gb). Not every split value: with gathers for all, the ILP, which still charges
-    other reshards once per reader, traded them for plans its estimate priced dearer (GPT-2
-    124M on 8x8 5.8% compiled, WideResNet 250M 2.8%, for 1-3.4% on ViT, the MoE and BERT).
+    a member of its own ("reduced"), at the cost of the LP relaxation: a fan-out member can
+    leave the LP half in every layout where the twins leave it integral
+    (IntraOptions.fanouts). A cast read by several nodes (a kernel's bf16 copy, read by its
+    forward and backward dots) gets twins that all-gather it, once, as FSDP's program does
+    (tests/test_intra_reduce_scatter.py::
+    test_a_split_value_read_twice_is_gathered_once_in_its_own_dtype). Not every split value:
+    with gathers for all, the ILP, which still charges other reshards once per reader, trades
+    them for plans its estimate prices dearer (benchmarks/vs_experts.py).
     Values in `skip` (a fan-out reshards them) are left. Also returns each twin's (output
     index, the layout it reshards from)."""
     n_in, counts = len(graph.inputs), read_counts(graph)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 
 from shardplan import _compat
-from shardplan.intra.solve.ilp import InfeasibleMemory, SearchTimeout
+from shardplan.intra.solve.types import InfeasibleMemory, SearchTimeout
 from shardplan.plan import Plan
 from shardplan.planning import accumulation, remat, select
 from shardplan.planning.intra_op import plan_graph

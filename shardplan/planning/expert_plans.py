@@ -9,7 +9,7 @@ import dataclasses
 import warnings
 
 from shardplan.intra import experts
-from shardplan.intra.solve.ilp import InfeasibleMemory, SearchTimeout
+from shardplan.intra.solve.types import InfeasibleMemory, SearchTimeout
 from shardplan.ir.graph import Role
 from shardplan.plan import Estimate, Plan
 from shardplan.planning.intra_op import plan_graph

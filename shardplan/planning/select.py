@@ -33,7 +33,7 @@ import jax
 from shardplan.analysis import targets
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.intra.memory import liveness
-from shardplan.intra.solve.ilp import InfeasibleMemory, SearchTimeout
+from shardplan.intra.solve.types import InfeasibleMemory, SearchTimeout
 from shardplan.plan import Estimate, Plan
 from shardplan.planning import compiled
 from shardplan.planning.compiled import (

@@ -5,20 +5,19 @@ With IntraOptions.combine_gradients the ILP prices each reduction of a gradient 
 latency (intra/problem.py Problem.combined): XLA runs them as one combined all-reduce per mesh
 axes (intra/combiner/xla.py), which pays one latency whatever the number of gradients. That one
 latency is not free: a plan that reduces no gradient over those axes runs no such collective.
-Left out, a plan that reduces one gradient paid nothing for it (measured: a tied 64k-vocab
-embedding on 8 devices, the searched plan reduced the embedding's gradient, an all-reduce of
-its own in the compiled program, priced by the ILP 0.4 us under Megatron's plan, which reduces
-none; compiled, 41.6 us over it).
+Left out, a plan that reduces one gradient pays nothing for that all-reduce, and wins over a
+plan that reduces none by less than the collective it runs
+(tests/test_intra_combiner.py::
+test_ilp_pays_the_combined_reduction_latency_once_where_a_gradient_is_reduced).
 
 Each group is one more member of the ILP (a "hub") with two choices, off (free) and on (the
 latency, once per step: a scanned model's gradients reduced inside its loop are priced as the
-same model unrolled reduces them, as Problem.reshard_time prices its stacked values, else the
-two would plan differently); a row (ilp.Implication) from every member whose choice reduces a
-gradient over the group's axes forbids that choice with the hub off. As rows, not edges of
-infinite entries, they leave presolve its eliminations (intra/solve/presolve.py) and the MIP one row
-per member instead of an edge's pair variables (GPT-2 1.5B unrolled on 8x8: the core fell from
-267 members and 654 edges to 237 and 421, as without hubs; the solve did not get faster with
-it: the rows cost HiGHS's LP as many iterations as the edges did, 16k against 12k without).
+same model unrolled reduces them, as ReshardPrices.reshard_time prices its stacked values,
+else the two would plan differently); a row (types.Implication) from every member whose
+choice reduces a gradient over the group's axes forbids that choice with the hub off. As
+rows, not edges of infinite entries, they leave presolve its eliminations
+(intra/solve/presolve.py) and the MIP one row per member instead of an edge's pair variables
+(tests/test_intra_implications.py: rows against the edges they stand for).
 A member reduces a gradient where its strategy's own collectives do (a node making a
 gradient), or where it leaves a gradient a partial sum (whoever reads it reduces it: no
 gradient is read partial by the optimizer's update or left partial in an output).
@@ -26,18 +25,45 @@ gradient is read partial by the optimizer's update or left partial in an output)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
-from shardplan.intra.solve.ilp import Implication
-from shardplan.strategies.base import Collective
+from shardplan.cost.model import AlphaBetaCost
+from shardplan.intra.reshard_prices import ReshardPrices
+from shardplan.intra.settings import IntraOptions
+from shardplan.intra.simplify import Groups
+from shardplan.intra.solve.types import Implication
+from shardplan.ir.graph import Graph
+from shardplan.strategies.base import Collective, Strategy
+from shardplan.strategies.spec import ShardSpec
 
-if TYPE_CHECKING:  # annotations only: problem imports this module
-    from shardplan.intra.problem import Problem
+
+class Members(Protocol):
+    """What the combiner's latency terms read of the ILP's members: intra/problem.py's Problem,
+    which adds these terms to the ILP it makes (so it is above this module, not below)."""
+
+    options: IntraOptions
+    graph: Graph
+    cost: AlphaBetaCost
+    num_inputs: int
+    strategies: Sequence[Sequence[Strategy]]
+    groups: Groups
+    producer: Mapping[int, tuple[int, int]]
+    index: Mapping[int, int]
+    reshards: ReshardPrices
+
+    def out_spec(self, m: int, out_idx: int, root_k: int) -> ShardSpec: ...
+
+    def choice_key(self, m: int) -> int: ...
+
+    def combined(self, values) -> bool: ...
+
+    def loss_values(self) -> frozenset[int]: ...
 
 
-def triggers(problem: Problem) -> dict[tuple, list[tuple[int, np.ndarray]]]:
+def triggers(problem: Members) -> dict[tuple, list[tuple[int, np.ndarray]]]:
     """Mesh axes -> (member, mask over its root's choices of those that
     reduce a gradient over the axes), for the members that can."""
     if not problem.options.combine_gradients:
@@ -76,7 +102,7 @@ def triggers(problem: Problem) -> dict[tuple, list[tuple[int, np.ndarray]]]:
     return out
 
 
-def terms(problem: Problem, first: int) -> tuple[list[np.ndarray], list[Implication]]:
+def terms(problem: Members, first: int) -> tuple[list[np.ndarray], list[Implication]]:
     """The hubs' costs ([off, on] each, numbered from `first` among the ILP's members) and
     the rows that turn them on (a representative's reducing choices -> its hub on)."""
     costs: list[np.ndarray] = []

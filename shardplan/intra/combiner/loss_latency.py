@@ -5,35 +5,32 @@ over the batch) without its own latency (Problem.latency_free). XLA's combiner
 (collective_combiner_utils.h) walks the program in post order, where the loss comes last, and
 adds each all-reduce of one key to the group it is building until one depends on a member:
 the loss's joins the gradients' when they are reduced over the same devices and no reduction
-over those devices is upstream of it (measured: GPT at test size on 8 devices, data parallel
-compiles to one all-reduce, the loss's and the gradients'). Where the forward pass reduces
-over them (a split vocabulary, a Megatron layer), one such reduction lands in the last group
-and the loss's runs alone (a tied 64k-vocab embedding on 8 devices compiled to five
-all-reduces where the ILP, pricing the loss's as joined, planned four: 1.19x Megatron's).
+over those devices is upstream of it (tests/test_intra_combiner.py::
+test_ilp_prices_data_parallel_as_compiled_and_beats_it: data parallel compiles to one
+all-reduce, the loss's and the gradients'). Where the forward pass reduces over them (a split
+vocabulary, a Megatron layer), one such reduction lands in the last group and the loss's runs
+alone (tests/test_intra_combiner.py::
+test_the_loss_reduction_runs_alone_where_the_forward_reduces_over_its_devices).
 
 For each mesh axes over which the loss's last values can be partial, one more member of the
 ILP with two free choices, alone (0) and joined (1): a member leaving a last value of the loss
 partial over those axes pays that reduction's latency with it alone; joined needs the
-gradients' combined all-reduce over the axes on (intra/combiner/gradient_latency.py) and is forbidden by every
-forward member whose choice reduces over them (its own collectives, or a partial output): both
-rows (ilp.Implication), as the hubs' are.
+gradients' combined all-reduce over the axes on (gradient_latency.py) and is forbidden by
+every forward member whose choice reduces over them (its own collectives, or a partial output): both
+rows (types.Implication), as the hubs' are.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from shardplan.intra.combiner import gradient_latency, xla
-from shardplan.intra.solve.ilp import Implication
+from shardplan.intra.combiner.gradient_latency import Members
+from shardplan.intra.solve.types import Implication
 from shardplan.strategies.base import Collective
 
-if TYPE_CHECKING:  # annotations only: problem imports this module
-    from shardplan.intra.problem import Problem
 
-
-def gradient_hubs(problem: Problem, first: int) -> dict[tuple, int]:
+def gradient_hubs(problem: Members, first: int) -> dict[tuple, int]:
     """Mesh axes -> the index of the gradients' hub over them, numbered from `first` as
     gradient_latency.terms numbers them (by their axes' repr, those of no latency left out)."""
     keys = [k for k in sorted(gradient_latency.triggers(problem), key=repr)
@@ -41,7 +38,7 @@ def gradient_hubs(problem: Problem, first: int) -> dict[tuple, int]:
     return {k: first + j for j, k in enumerate(keys)}
 
 
-def terms(problem: Problem, hubs_from: int, first: int
+def terms(problem: Members, hubs_from: int, first: int
           ) -> tuple[list[np.ndarray], dict[tuple[int, int], np.ndarray], list[Implication]]:
     """The members' costs ([alone, joined] each, numbered from `first`), their edges
     ((representative index, member index) -> [the representative's choice, alone/joined]:
@@ -70,7 +67,7 @@ def terms(problem: Problem, hubs_from: int, first: int
         keys = {tuple(sorted(s.out_specs[out_idx].partial)) for s in strategies
                 if s.out_specs[out_idx].partial}
         for key in sorted(keys):
-            lat = np.array([problem.layers(value) * problem.cost.combined_latency(
+            lat = np.array([problem.reshards.layers(value) * problem.cost.combined_latency(
                 problem.cost.reshard_comms(value, s.out_specs[out_idx],
                                            s.out_specs[out_idx].without_partial()))
                 if _starts(node, s, out_idx, key, loss) else 0.0 for s in strategies])

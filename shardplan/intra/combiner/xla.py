@@ -237,10 +237,11 @@ def loss_values(g: Graph, contractions: frozenset[str]) -> frozenset[int]:
     shape ops (PASSING), neither upstream of an output tied to an input (the updated state)
     nor downstream of a gradient (gradient_values, `contractions` its heads). No reduction follows theirs, none of the
     gradients' depends on theirs and theirs on none: XLA combines a reduction of the loss's
-    sum over the batch with the gradients' all-reduce over the same devices (measured: GPT at
-    test size on 8 devices, data parallel compiles to one all-reduce, the loss's and the
-    gradients'; priced with its own latency, the ILP gathered the log-probabilities instead,
-    an all-gather the compiled program ran, to finish the loss on every device). The loss's
+    sum over the batch with the gradients' all-reduce over the same devices
+    (tests/test_intra_combiner.py::test_ilp_prices_data_parallel_as_compiled_and_beats_it:
+    data parallel compiles to one all-reduce, the loss's and the gradients'; priced with its
+    own latency, the loss's reduction would make the ILP gather the log-probabilities
+    instead, to finish the loss on every device). The loss's
     earlier reductions (a split vocabulary's) are read by the backward pass: not these."""
     heads = frozenset(n.primitive for n in g.nodes
                       if primitives.info(n.primitive).family not in PASSING)

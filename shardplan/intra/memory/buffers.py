@@ -7,6 +7,14 @@ import dataclasses
 
 import numpy as np
 
+from shardplan.ir.graph import Value
+
+
+def is_tensor(value: Value) -> bool:
+    """Whether `value` is an array the step holds (a buffer, in a layout the plan chooses),
+    not a literal or a constant folded into its readers."""
+    return not value.is_literal and value.const is None
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Buffer:
@@ -22,7 +30,7 @@ class Buffer:
 @dataclasses.dataclass(frozen=True, eq=False)
 class LiveCopy:
     """A buffer that exists only when two roots' layouts of one value differ, live from
-    `start` to `end` in the schedule: the memory model's form of the solver's ilp.Copy, over
+    `start` to `end` in the schedule: the memory model's form of the solver's types.Copy, over
     root choices rather than the ILP's representatives."""
 
     a: int

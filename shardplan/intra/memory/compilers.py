@@ -129,8 +129,8 @@ TPU = Rules(
     layout_copies=False,
     holds_gradients=False,
     small_temps=0.0,
-    # v5e's memory space assignment used up to 112 MiB of a core's 128 MiB VMEM for
-    # temporaries, with its long-lived activations in HBM; with 48 MiB the bf16 MLP of
+    # v5e's memory space assignment keeps temporaries in most of a core's VMEM, its
+    # long-lived activations in HBM; counting 48 MiB on chip, the bf16 MLP of
     # tests/test_memory_tpu.py is estimated within 10% of its compiled peak, searched and FSDP
     on_chip_bytes=48.0 * 2**20,
     tiled=True,

@@ -20,7 +20,7 @@ import numpy as np
 
 from shardplan.cost.model import CONTRACTIONS
 from shardplan.intra.combiner import xla
-from shardplan.intra.memory.buffers import Buffer, LiveCopy
+from shardplan.intra.memory.buffers import Buffer, LiveCopy, is_tensor
 
 # The ops whose gradients a plan leaves as partial sums of the weights' size: the contractions
 # (a kernel's gradient) and the scatter-add of a gather's (an embedding's). (A bias's
@@ -53,7 +53,7 @@ def _later(g, node, ids: set[int], readers) -> set[int]:
     return out
 
 
-def holds(model, is_tensor) -> tuple[list[Buffer], list[LiveCopy]]:
+def holds(model) -> tuple[list[Buffer], list[LiveCopy]]:
     """The buffers (and, for a gradient that feeds one other, copies: held only when that
     one is not reduced) of the gradients held for the combined all-reduce."""
     p = model.problem

@@ -1,11 +1,11 @@
 """The ILP's memory rows from the memory model's live intervals, in array operations.
 
 A row is one moment where the live set can peak: what every buffer live then weighs under its
-representative's choice, plus the copies live then. An unrolled 48-layer GPT has 6k buffers,
-25k copies and 11k such moments, 36M (moment, live item) pairs: summed buffer by buffer in
-Python the rows took 21 of a 30 s search; here each representative's bytes are summed once
-per span of moments where what it holds does not change, and each row's copies are one slice of
-a sparse matrix.
+representative's choice, plus the copies live then. A deep unrolled model has millions of
+(moment, live item) pairs, too many to sum one by one in Python: each representative's bytes
+are summed once per span of moments where what it holds does not change, and each row's copies
+are one slice of a sparse matrix (tests/test_intra_memory.py::
+test_memory_rows_equal_the_live_sets_summed_at_each_point checks them against the sum).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import scipy.sparse
 
-from shardplan.intra.solve import ilp
+from shardplan.intra.solve import types
 
 
 def live_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -55,7 +55,7 @@ def _per_moment(first: np.ndarray, last: np.ndarray, ids: np.ndarray, moments: i
 
 
 def solver_terms(buffers: Sequence, copies: Sequence, index: Mapping[int, int]):
-    """(base, rows, copies, row_copies) for ilp.SolverInput, over representatives (`index`:
+    """(base, rows, copies, row_copies) for types.SolverInput, over representatives (`index`:
     root -> representative): a buffer live at every moment goes to the base, a copy of one
     representative's layouts to the rows (its bytes when the two keys differ), a copy between
     two representatives to the copies, named per row by an array of their indices. Rows that
@@ -86,7 +86,7 @@ def solver_terms(buffers: Sequence, copies: Sequence, index: Mapping[int, int]):
                               first[nb + j], last[nb + j]))
         else:
             copy_id[j] = len(out_copies)
-            out_copies.append(ilp.Copy(ia, c.key_a, c.bytes_a, ib, c.key_b, c.bytes_b))
+            out_copies.append(types.Copy(ia, c.key_a, c.bytes_a, ib, c.key_b, c.bytes_b))
     if not moments:
         return (), (), tuple(out_copies), ()
     # each representative's bytes at every moment, summed over what is live then in the order

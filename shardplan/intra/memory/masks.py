@@ -78,14 +78,14 @@ def masks(model, lay, generated: dict[int, int]) -> tuple[list[Mask], set[int]]:
         for v in set(node.inputs):
             readers.setdefault(v, []).append(node.id)
     fanned = p.held_fanouts
-    # once for every generator (once per generator, the unrolled GPT-2 1.5B's 145 dropout
-    # masks on 8x8 spent 2.4 of its 12.6 CPU s of planning in it)
+    # once for every generator: per generator, the work would grow with the number of
+    # dropout masks times the step's length
     constant = liveness.constants(g) if generated else set()
     out, mine = [], set()
     for bits, buffer in sorted(generated.items()):
         values, reads = chain(g, bits, readers, model.virtual, constant)
         if not reads or any(u in fanned for _, _, u in reads):
-            continue  # a fan-out's copy is counted where it is made (memory.py)
+            continue  # a fan-out's copy is counted where it is made (model.py)
         found = []
         for r, i, u in reads:
             if u == bits:

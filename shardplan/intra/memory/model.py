@@ -51,27 +51,21 @@ from shardplan.intra.memory import (
     masks,
     originals,
 )
-from shardplan.intra.memory.buffers import Buffer, LiveCopy
+from shardplan.intra.memory.buffers import Buffer, LiveCopy, is_tensor
 from shardplan.intra.memory.liveness import lifetimes, schedule
 from shardplan.ir import primitives
 
 # What the model does not see of XLA's buffers, as a share of the step's activations (every
-# buffer but its inputs and outputs, which it counts exactly). XLA's heap gaps are small: its
-# temp allocation is 0.1-5.0% above the temporaries' live peak on the zoo at test size
-# (benchmarks/xla_live.py, from the buffers' intervals; the dump's "Live ranges at N (peak)",
-# once read for 4-6%, is not memory_analysis' peak). The rest is the model's own error, both
-# ways: with this margin, the estimates of the zoo at three budgets on 8 and 2x4 devices
-# (benchmarks/memory_check.py) came to 0.93-1.08 of the compiled peak on 8 devices and
-# 0.90-1.17 on 2x4 (0.84-1.08 before the dropout masks, the values read through copies and
-# the input gradients reduced where made: masks.py, originals.py, gradient_holds.py). The one
-# case past the margin, GPT on 2x4 at the tightest budget (1.23, the FSDP table's plan), is
-# XLA's own resharding of the attention and MLP activations that plan leaves sharded: gathers
-# and all-to-alls made in the forward and held to the backward, which the plan does not hold
-# (benchmarks/model_live.py beside xla_live.py); it was 1.17 while the model still counted a
-# layer norm's product as two broadcast buffers, which XLA writes nowhere (at real size that
-# over-count was 0.5 GiB a layer: gpt-6.7b's 2-D plan on 8x8 estimated at 86 GiB, compiled
-# 50; now 68). The margin is a measured spread, not a model of the heap;
-# the plan's notes say so, and under a budget on devices the plan is compiled and checked.
+# buffer but its inputs and outputs, which it counts exactly): XLA's heap gaps, small beside
+# the temporaries' live peak (benchmarks/xla_live.py), and the model's own error, both ways
+# (benchmarks/memory_check.py: the zoo's estimates against their compiled peaks at three
+# budgets; tests/test_memory_fit.py::
+# test_the_memory_models_own_estimate_is_within_tolerance_of_the_compiled_peak holds them
+# within it). What lies past it is XLA's own resharding of activations a plan leaves sharded:
+# gathers and all-to-alls made in the forward and held to the backward, which the plan does
+# not hold (benchmarks/model_live.py). The margin is a measured spread, not a model of the
+# heap; the plan's notes say so, and under a budget on devices the plan is compiled and
+# checked.
 MARGIN = 0.10
 CONV = "conv_general_dilated"
 
@@ -83,8 +77,6 @@ class MemoryModel:
 
     def __init__(self, problem, donated: frozenset[int] | None = None, margin: float = 0.0,
                  compiler: str = "cpu"):
-        from shardplan.intra.problem import is_tensor
-
         self.rules = rules = compilers.rules(compiler)
         self.problem = p = problem
         g = p.graph
@@ -120,8 +112,9 @@ class MemoryModel:
             outputs.setdefault(v, []).append(j)
         unwritten = liveness.unwritten(g, readers, outputs, rules)
         # scheduled by the buffers XLA writes: a state update written into its input's buffer
-        # allocates nothing (the MLP's weight gradients were all held before any update ran:
-        # its estimate 1.09x and 0.88x its compiled peak, 1.00x scheduled so)
+        # allocates nothing, so the updates run as soon as their gradients are made, not after
+        # every gradient is held (tests/test_intra_liveness.py::
+        # test_schedule_is_the_list_schedule_it_defines)
         tied = frozenset(v for j, v in enumerate(g.outputs) if g.output_ties[j] is not None)
         self.pos = pos = schedule(g, frozenset(unwritten), tied)
         self.io: set[int] = set()  # the buffers of the step's inputs and outputs
@@ -197,8 +190,8 @@ class MemoryModel:
         for node in g.nodes:
             # XLA:CPU convolves NHWC operands with HWIO kernels: an operand laid out otherwise
             # (a kernel gradient's images, whose batch is their channels) is first copied
-            # transposed, hoisted when only inputs feed it (ViT on 8 devices: its images
-            # transposed at the start, held to the backward convolution; 1.074x compiled)
+            # transposed, hoisted when only inputs feed it (tests/test_memory_fit.py::
+            # test_a_convolution_reading_its_operand_in_another_layout_holds_a_transposed_copy)
             dn = (node.params.get("dimension_numbers")
                   if node.primitive == CONV and rules.conv_layout_copies else None)
             for i, spec in enumerate((dn.lhs_spec, dn.rhs_spec) if dn else ()):
@@ -229,7 +222,7 @@ class MemoryModel:
             if start <= end and nbytes.any():
                 self.buffers.append(Buffer(r, nbytes, start, end,
                                            f"v{u} broadcast for the reduction of v{v}"))
-        held, copies = (gradient_holds.holds(self, is_tensor) if rules.holds_gradients
+        held, copies = (gradient_holds.holds(self) if rules.holds_gradients
                         else ([], []))
         self.buffers += held
         self.copies += copies
@@ -240,7 +233,7 @@ class MemoryModel:
             len(mk.reads) for mk in self.masks)))
         for mk in self.masks:
             self.copies += masks.ilp_copies(mk)
-        self._add_operand_copies(is_tensor, lay, frozenset(counted))
+        self._add_operand_copies(lay, frozenset(counted))
         # Temporaries the compiler keeps on chip: peak() counts the temporaries beyond them,
         # never below the inputs and outputs alone; the ILP's rows count every buffer against
         # the budget plus them (on_chip_allowance). A negative buffer in the rows instead
@@ -248,7 +241,7 @@ class MemoryModel:
         # (tests/test_targets.py::test_the_cli_names_the_tpu_compiler_and_rejects_a_slice_it_does_not_know).
         self.on_chip_allowance = float(rules.on_chip_bytes) if p.num_inputs else 0.0
 
-    def _add_operand_copies(self, is_tensor, lay, counted: frozenset[int]) -> None:
+    def _add_operand_copies(self, lay, counted: frozenset[int]) -> None:
         p = self.problem
         g, root = p.graph, p.groups.root
         readers: dict[int, list[tuple[int, int]]] = {}
@@ -286,17 +279,15 @@ class MemoryModel:
                                     f"fan-out of v{v}"))
         first = self.first  # gathered inputs start there (see __init__)
         # A later gathering reader of a weight (the backward pass) that wants another layout
-        # than the first one's: XLA's scheduler hoists its gather too, before the first layer
-        # (llama at test size on 8 devices held every backward gather from the start: its
-        # tightest plan compiled to 2.2x the estimate without this, 0.93x with it; ViT 1.13x
-        # -> 1.00x). Only on a mesh with one useful axis: on 2x4 the later layout is mostly a
-        # slice of the first one's gathered copy, which XLA slices at the reader (hoisted, a
-        # GPT's estimate was 1.36x its compiled peak). On 2x4 the other way round holds too:
+        # than the first one's: XLA's scheduler hoists its gather too, before the first layer.
+        # Only on a mesh with one useful axis: on 2x4 the later layout is mostly a slice of the
+        # first one's gathered copy, which XLA slices at the reader. On 2x4 the other way round
+        # holds too:
         # when the later layout is the larger (a weight gathered on one axis for the forward
         # dot and whole for the backward one), XLA gathers it whole at the first reader and
         # slices the first layout from it: the copy held from the first layer is the larger
-        # of the two (a GPT on 2x4 held every kernel whole from its forward dot to its
-        # backward one: estimate 0.86x its compiled peak counting the forward's half).
+        # of the two (tests/test_memory_fit.py::
+        # test_a_kernel_read_whole_in_the_backward_is_held_whole_from_the_forward).
         hoist = len(p.mesh.useful_axes()) == 1
         n_in, fanned = p.num_inputs, set(p.held_fanouts) | {s for s, _, _ in g.carry_edges()}
 
@@ -398,7 +389,7 @@ class MemoryModel:
     # -- the ILP's rows -----------------------------------------------------------------------
 
     def solver_terms(self, index: Mapping[int, int]):
-        """(base, rows, copies, row_copies) for ilp.SolverInput: terms over representatives
+        """(base, rows, copies, row_copies) for types.SolverInput: terms over representatives
         (`index`: root -> representative). Buffers live at every point form the base."""
         return ilp_rows.solver_terms(self.buffers, self.copies, index)
 

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from shardplan import progress
-
-if TYPE_CHECKING:  # annotations only: ilp imports this module
-    from shardplan.intra.solve.ilp import SolverInput
+from shardplan.intra.solve.types import SolverInput
 
 
 def compress_edge(m, row_keys=None, col_keys=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -213,13 +210,13 @@ def solver_for(inp: SolverInput):
     p.random_seed = settings.solver_seed
     p.num_workers = max(1, settings.workers)
     # One worker and a deterministic time limit give the same plan for the same input; more
-    # workers search faster but race (interleave_search would fix that, at 1000x the time).
+    # workers search faster but race (interleave_search would fix that, at many times the time).
     # The wall clock bounds it too unless the solve is limited by its work alone.
     p.max_deterministic_time = settings.time_limit
     if not settings.deterministic:
         p.max_time_in_seconds = max(0.01, min(settings.time_limit * 4, inp.remaining()))
-    # Lean on the LP relaxation: it is tight for these problems (measured: integral on a GPT
-    # train step), and level 2 proves optimality in seconds where the default takes minutes.
+    # Lean on the LP relaxation: it is tight for these problems (often integral: mip.py), and
+    # level 2 uses it to prove optimality where the default level searches far longer.
     p.linearization_level = 2
     return solver
 

@@ -3,23 +3,20 @@ branch and cut on the LP relaxation). The model is cpsat.py's (Alpa's
 edge pairs, the memory rows); here the pair variables stay continuous: with the node choices
 integral, each pair's row and column sums make them integral too.
 
-The MIP proves what CP-SAT does not: on a transformer layer on 8x8 (GPT-2 1.5B, 157 nodes
-after presolve) the LP bound is within 0.02% of the optimum and HiGHS closes it at the root
-with cuts in about 10 s, where CP-SAT ran 30 s (deterministic) and stopped 3.5% above it."""
+The MIP proves what CP-SAT, in the same time, does not: the LP bound of these problems is tight
+and HiGHS closes it at the root with cuts (benchmarks/plan_speed.py reports whether each plan
+is proven optimal)."""
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import optimize, sparse
 
 from shardplan import progress
-from shardplan.intra.solve import cpsat, presolve, relaxation
-
-if TYPE_CHECKING:  # annotations only: ilp imports this module
-    from shardplan.intra.solve.ilp import SolverInput
+from shardplan.intra.solve import cpsat, presolve, relaxation, types
+from shardplan.intra.solve.types import SolverInput
 
 # Relative gap at which HiGHS stops and calls its plan optimal (its default is 1e-4: a plan
 # 0.01% dearer than the best would pass as optimal). 0: HiGHS's absolute gap alone (1e-6 of
@@ -27,8 +24,7 @@ if TYPE_CHECKING:  # annotations only: ilp imports this module
 MIP_GAP = 0.0
 
 # HiGHS does not return the same optimum on every run where several tie (its path depends on
-# the wall clock: the same model solved 16 times in one process gave two plans, half and half,
-# with threads=1 too). presolve.canonical maps ties node by node, not ties that several nodes
+# the wall clock, with threads=1 too). presolve.canonical maps ties node by node, not ties that several nodes
 # must leave together (a chain of values split on another dimension). So each choice's cost
 # gets a fixed pseudo-random share of PERTURB of the dearest cost (a nanosecond where it is
 # 10 ms), keyed on its node and choice in the problem as given, before presolve (ilp.solve):
@@ -175,14 +171,14 @@ def solve(inp: SolverInput):
     ends is the same.
 
     Where every choice fits (no memory rows), the LP relaxation is solved first: Alpa's edge
-    pairs make it integral on most of these problems (measured: the unrolled GPT-2 1.5B core on
-    8x8, and the zoo's), and an integral LP optimum is the MIP's, proven, without the MIP's
-    presolve and root (that core: 2.6 against 3.6 CPU s). A fractional one (frustrated cycles
+    pairs make it integral on most of these problems, and an integral LP optimum is the MIP's,
+    proven, without the MIP's presolve and root. A fractional one (frustrated cycles
     of layouts, as on the scanned GPT-2 1.5B on 8x8: values half split on one axis, half on
     the other) bounds the MIP from below: with a plan found near it (presolve.improved), the
     columns whose reduced cost lifts that bound above the plan's cost are in no optimum, and
-    the MIP over the rest is a fraction of the whole (there, 8.7k of 50k columns: 0.05 against
-    2.2 s). Under a memory budget the LP keeps its memory rows, and the gap is guessed where
+    the MIP over the rest is a fraction of the whole, with the same optimum
+    (tests/test_intra_linear.py::test_a_fractional_relaxation_is_finished_on_fewer_columns).
+    Under a memory budget the LP keeps its memory rows, and the gap is guessed where
     no plan near it is known to fit (_within_budget)."""
     model, x = _sparse(inp)
     if inp.remaining() <= 0:
@@ -241,7 +237,7 @@ def solve(inp: SolverInput):
         # the root LP (10% of the unrolled GPT-2 1.5B core's solve).
         options["mip_heuristic_run_feasibility_jump"] = False
         near = None if lp is None else presolve.improved(inp, choice_of(lp.x))
-        upper = np.inf if near is None else presolve.objective(inp, near) * unit_of(inp)
+        upper = np.inf if near is None else types.objective(inp, near) * unit_of(inp)
         if np.isfinite(upper):
             # A column whose reduced cost lifts the LP's bound above `near`'s cost (with a
             # margin for HiGHS's tolerances) is in no optimum.
@@ -269,19 +265,17 @@ def _tell(inp: SolverInput, what: str, incumbent, bound) -> None:
 
 
 def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi) -> relaxation.Relaxation:
-    """The LP relaxation without memory rows, HiGHS's presolve off: it removes little from
-    these cores (presolve.py has) and cost more than it saved (CPU s, on: off, GPT-2 124M on
-    2x4 1.07: 0.56, the scanned GPT-2 1.5B on 8x8 0.55: 0.38, the unrolled one and llama-7b on
-    8x8 even). With memory rows the LP is solved lazily (relaxation.solve_lazily)."""
+    """The LP relaxation without memory rows, HiGHS's presolve off: presolve.py has reduced
+    these cores already, and HiGHS's removes little more than it costs (benchmarks/plan_speed.py
+    times the cases). With memory rows the LP is solved lazily (relaxation.solve_lazily)."""
     return relaxation.solve_at_once(obj, lb, ub, matrix, rlo, rhi, inp.solver, inp.remaining(),
                                     presolve=False)
 
 
 # Under a memory budget: guesses of how far above the LP relaxation's bound the MIP's optimum
-# lies, as shares of the bound, tried in turn (_within_budget). gpt-6.7b on 8x8 under 80 GB
-# (the core of its first memory rows, 145k columns): the optimum lies 0.056% above the bound;
-# the MIP over the columns a 0.1% guess keeps (35k) proved it in 1.9 CPU s, 0.3% in 4.9, 1% in
-# 9.5, the whole MIP in 35 (and 55 before presolve saw only the active rows).
+# lies, as shares of the bound, tried in turn (_within_budget): the budgeted optimum lies close
+# above the bound, and the MIP over the columns a small guess keeps is a fraction of the whole
+# that proves it (benchmarks/plan_speed.py's budgeted cases).
 GAPS = (1e-3, 5e-3, 2.5e-2)
 
 
@@ -308,7 +302,7 @@ def _within_budget(inp: SolverInput, lp, run, obj, num_x: int, num_01: int, choi
         nonlocal best
         if choice is None or max(inp.row_peaks(choice), default=0.0) > inp.memory_budget:
             return
-        value = presolve.objective(inp, choice) * unit
+        value = types.objective(inp, choice) * unit
         if np.isfinite(value) and (best is None or value < best[0]):
             best = (value, tuple(choice))
 
@@ -331,8 +325,7 @@ def _within_budget(inp: SolverInput, lp, run, obj, num_x: int, num_01: int, choi
                 return "optimal", choice_of(sol)
             offer(choice_of(sol))
             # A plan within the last guess: the MIP within its cost proves the optimum, and a
-            # guess below it could not (llama-7b on 2x4 under 80 GB: 0.1% found a plan 0.66%
-            # above the bound; 0.5% then spent 15 CPU s finding none cheaper)
+            # guess below it could not (it would search for a cheaper plan and find none)
             if best is not None and best[0] <= lp.fun + GAPS[-1] * scale:
                 break
         if inp.remaining() <= 0:

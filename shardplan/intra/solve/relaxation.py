@@ -5,14 +5,12 @@ Lazily: the LP without the lazy rows is solved, the lazy rows its solution break
 and HiGHS's dual simplex goes on from the basis it had (the rows added leave that basis dual
 feasible), until the solution keeps every row. An optimum of the LP over fewer rows that keeps
 them all is an optimum of the whole LP, and its duals, zero on the rows left out, are dual
-feasible for it: the bound and the reduced costs are the whole LP's. The memory rows are lazy:
-dense (a Llama 7B on 2x4 under 80 GB, 16 rows of 1,700 entries among 19k rows of 2 to 40), they
-cost HiGHS more iterations, and dearer ones, than the rest of the LP (there, with presolve:
-34,372 simplex iterations and 25.6 CPU s at once; 22,397 and 6.4 s without them, then 2,943
-and 5.9 s for the 16 its optimum broke, from its basis). Not always: the MoE 2.4B on 2x4's LP
-took 2.7 s at once, 4.6 lazily (its optimum without the rows broke none, but took 21,151
-iterations against 14,089 with them). Presolve stays on: off, a 6-layer GPT at test size on
-2x4 under 80 GB spent 47 CPU s in its search, against 4.5.
+feasible for it: the bound and the reduced costs are the whole LP's
+(tests/test_intra_relaxation.py::test_lazy_rows_give_the_bound_and_reduced_costs_of_the_whole_lp).
+The memory rows are lazy: a few dense rows among many sparse ones, they cost HiGHS more
+iterations, and dearer ones, than the rest of the LP, and an optimum without them usually
+breaks few. HiGHS's presolve stays on here. benchmarks/plan_speed.py times the budgeted
+searches this serves.
 
 scipy binds HiGHS's model object only privately (scipy.optimize._highspy); where it is missing
 the LP is solved at once (solve_at_once)."""
