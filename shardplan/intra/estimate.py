@@ -28,8 +28,9 @@ def stale_partials(problem: Problem, chosen, value_specs, fanout) -> dict[int, f
     partial sum once, where the first reader needs it whole, and every reader then reads the
     sum: a reader that reads it partial reads the reduced sum, and what it computes from it
     is never reduced over those axes again (tests/test_intra_reduce_scatter.py::
-    test_a_sum_constrained_whole_another_reader_reads_partial_is_all_reduced). A node's output is stale over an axis when each input
-    it reads partial over that axis is reduced or stale over it."""
+    test_a_sum_constrained_whole_another_reader_reads_partial_is_all_reduced). A node's
+    output is stale over an axis when each input it reads partial over that axis is reduced
+    or stale over it."""
     g, n_in = problem.graph, problem.num_inputs
     wanted: dict[int, list] = {}  # value id -> the specs its readers want
     for node in g.nodes:

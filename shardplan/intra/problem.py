@@ -191,10 +191,10 @@ class Problem:
 
     def combined(self, values) -> bool:
         """Whether the reductions making `values` join XLA's combined all-reduce of the step's
-        gradients (intra/combiner/xla.py gradient_values): the ILP prices them without their own
-        latency, and the combined collective's one latency once, in the plans that reduce a
-        gradient (intra/combiner/gradient_latency.py); the estimate prices the combined collectives as the
-        combiner forms them."""
+        gradients (intra/combiner/xla.py gradient_values): the ILP prices them without their
+        own latency, and the combined collective's one latency once, in the plans that reduce
+        a gradient (intra/combiner/gradient_latency.py); the estimate prices the combined
+        collectives as the combiner forms them."""
         if not self.options.combine_gradients:
             return False
         if "_gradients" not in self.__dict__:

@@ -23,13 +23,13 @@ from shardplan.intra.solve.types import SolverInput
 # units where the dearest cost is 1e4), fine enough for the inputs' tie-breaks (problem.py).
 MIP_GAP = 0.0
 
-# HiGHS does not return the same optimum on every run where several tie (its path depends on
-# the wall clock, with threads=1 too). presolve.canonical maps ties node by node, not ties that several nodes
-# must leave together (a chain of values split on another dimension). So each choice's cost
-# gets a fixed pseudo-random share of PERTURB of the dearest cost (a nanosecond where it is
-# 10 ms), keyed on its node and choice in the problem as given, before presolve (ilp.solve):
-# equal plans no longer tie, and every exact reduction keeps the one optimum, so a change to
-# presolve (or a run) does not flip a tie.
+# HiGHS does not return the same optimum on every run where several tie (its path depends on the
+# wall clock, with threads=1 too). presolve.canonical maps ties node by node, not ties that
+# several nodes must leave together (a chain of values split on another dimension). So each
+# choice's cost gets a fixed pseudo-random share of PERTURB of the dearest cost (a nanosecond
+# where it is 10 ms), keyed on its node and choice in the problem as given, before presolve
+# (ilp.solve): equal plans no longer tie, and every exact reduction keeps the one optimum, so a
+# change to presolve (or a run) does not flip a tie.
 PERTURB = 1e-7
 
 

@@ -39,8 +39,9 @@ class Implication(NamedTuple):
     """A choice of member a in `when` forces member b to one in `allowed` (a row of the ILP:
     sum of a's choices in `when` <= sum of b's in `allowed`). The same as an edge with an
     infinite cost at [k, l] for k in `when`, l not in `allowed`, without the edge's pair
-    variables, and without making a a neighbour of b in presolve (intra/combiner/gradient_latency.py: a member
-    that reduces a gradient over some mesh axes turns their hub on)."""
+    variables, and without making a a neighbour of b in presolve
+    (intra/combiner/gradient_latency.py: a member that reduces a gradient over some mesh axes
+    turns their hub on)."""
 
     a: int
     when: np.ndarray
