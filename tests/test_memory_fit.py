@@ -121,6 +121,9 @@ def _graph(name, **overrides):
     return m, lift(traced.closed_jaxpr, traced.arg_info)
 
 
+@pytest.mark.skipif(jax.__version_info__ >= (0, 12), reason=(
+    "the XLA:CPU of jax 0.12 runs a bf16 step in bf16 (tests/test_model_agrees.py), where jax "
+    "0.10's widened it to f32: the widening measured here is jax 0.10's"))
 def test_xla_cpu_computes_bf16_in_f32_and_the_widening_says_how_much_the_target_keeps():
     """The fact the widening rests on, measured: the bf16 MLP's compiled peak on CPU is no
     less than the f32 MLP's (params f32 in both; a GPT's is equal to the byte); the model's share of the temporaries a bf16 device keeps
