@@ -2,11 +2,13 @@
 
 from shardplan.api import AutoStep, auto, coverage
 from shardplan.cluster import search
-from shardplan.distributed import PlanMismatchError, global_args
+from shardplan.distributed import PlanMismatchError
+from shardplan.global_inputs import global_args
 from shardplan.grad import grad, stage_boundary, value_and_grad
 from shardplan.intra.solve.types import InfeasibleMemory, SearchTimeout
 from shardplan.options import Hints, SearchOptions
-from shardplan.plan import Estimate, Plan, PlanFileError, load_plan
+from shardplan.plan import Estimate, Plan
+from shardplan.plan_file import PlanFileError, load_plan
 from shardplan.strategies.coverage import Coverage
 from shardplan.timeline import draw_plan as draw_timeline
 

@@ -24,7 +24,8 @@ from shardplan.emit.pipeline import emit_pipeline
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import TracedStep, abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions, path_str
-from shardplan.plan import Plan, load_plan
+from shardplan.plan import Plan
+from shardplan.plan_file import load_plan
 from shardplan.planning import accumulation, driver
 from shardplan.planning.job import Job
 from shardplan.strategies.coverage import Coverage

@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 from shardplan import files
 from shardplan.fingerprint import shardplan_version
-from shardplan.plan import FORMAT_VERSION, Plan, PlanFileError
+from shardplan.plan import FORMAT_VERSION, Plan
+from shardplan.plan_file import PlanFileError, plan_from_dict
 
 ENV = "SHARDPLAN_CACHE"
 DISABLED = ("", "0", "off", "false", "none")
@@ -98,7 +99,7 @@ class PlanCache:
         if entry["format"] != FORMAT_VERSION or type(entry["format"]) is not int:
             return self.discard(fingerprint, f"its format is not {FORMAT_VERSION}")
         try:
-            return Plan.from_dict(entry["plan"], path)
+            return plan_from_dict(entry["plan"], path)
         except PlanFileError as e:
             return self.discard(fingerprint, f"it is not a plan this version reads: {e.what}")
 

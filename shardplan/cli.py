@@ -44,7 +44,7 @@ from shardplan.cli_render import (
 )
 from shardplan.cli_run import Infeasible, TimedOut, init_cpu_devices, run_search
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError, load_config
-from shardplan.plan import PlanFileError, load_plan
+from shardplan.plan_file import PlanFileError, load_plan
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_TIMEOUT, EXIT_BENCH_FAILED = (
     0, 1, 2, 3, 4, 5)

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from shardplan.cli import main
-from shardplan.plan import load_plan
+from shardplan.plan_file import load_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

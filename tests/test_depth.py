@@ -139,7 +139,7 @@ def test_the_cli_prices_a_deep_zoo_step_from_shallow_copies(tmp_path, capsys, de
     every row of the table) is priced from the 1- and 2-layer copies, the notes say so, and
     nothing is compiled again for the table."""
     from shardplan.cli import main
-    from shardplan.plan import load_plan
+    from shardplan.plan_file import load_plan
 
     path = tmp_path / "gpt6.yaml"
     path.write_text(GPT6)

@@ -19,7 +19,7 @@ from shardplan.models import base
 from shardplan.models.gpt import GPT
 from shardplan.models.layers import TransformerConfig
 from shardplan.options import SearchOptions
-from shardplan.plan import load_plan
+from shardplan.plan_file import load_plan
 from shardplan.planning.pipelines import choose, pipeline_plan
 from tests.test_inter_split import mlp_step
 

@@ -23,7 +23,7 @@ from shardplan.ir import remat
 from shardplan.ir.lift import lift
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
-from shardplan.plan import Plan
+from shardplan.plan_file import plan_from_dict
 
 # A residual MLP scanned over 16 layers, its batch large against its weights: the residuals
 # the backward pass reads (36 MiB stacked) dwarf the weights (2 MiB).
@@ -231,7 +231,7 @@ def test_planned_remat_step_fits_compiled_runs_and_reloads(mesh8, tmp_path):
     plan.save(path)
     loaded = shardplan.load_plan(path)
     assert loaded.remat and plan_fingerprint(loaded) == plan_fingerprint(plan)
-    assert plan_fingerprint(loaded) != plan_fingerprint(Plan.from_dict(
+    assert plan_fingerprint(loaded) != plan_fingerprint(plan_from_dict(
         {k: v for k, v in loaded.to_dict().items() if k != "remat"}))
     again = shardplan.auto(mlp_step, mesh=mesh8, plan=loaded, cache=False)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(again(*args))):

@@ -14,7 +14,7 @@ from shardplan.analysis import hlo, targets
 from shardplan.cli import main
 from shardplan.cost.hardware import get_profile
 from shardplan.models import get_model
-from shardplan.plan import Plan
+from shardplan.plan_file import plan_from_dict
 from shardplan.strategies.spec import MeshShape
 
 V5E, V5P, V6E = (get_profile(n) for n in ("tpu-v5e", "tpu-v5p", "tpu-v6e"))
@@ -106,7 +106,7 @@ def test_measured_selection_on_cpu_devices_is_judged_by_the_tpu_compiler(mesh2x4
     assert any("measured (compiled by the TPU compiler" in n for n in plan.notes)
     # the plan still runs on the user's (CPU) devices
     assert plan.device_mesh is mesh2x4
-    again = Plan.from_dict(plan.to_dict())
+    again = plan_from_dict(plan.to_dict())
     assert again.compiled_by == plan.compiled_by
 
 
