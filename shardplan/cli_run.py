@@ -21,7 +21,7 @@ from shardplan.cli_render import Phases
 from shardplan.config import MAX_COMPILE_DEVICES, Config, ConfigError
 from shardplan.ir.lift import LiftOptions, lift
 from shardplan.ir.trace import trace
-from shardplan.planning import depth, select
+from shardplan.planning import depth, remat, select
 from shardplan.planning.compiled import compile_and_price as price_program
 from shardplan.planning.expert_plans import expert_plans
 from shardplan.planning.job import Job
@@ -259,7 +259,8 @@ def _compile_baselines(config: Config, work: Workload, plan, mesh, hw, phases: P
                 results[name] = f"not an expert plan of this step on mesh {plan.mesh}"
                 continue
             with phases(f"compiling expert plan {name}"):
-                c = compile_one(name, written[name])  # a failure is recorded, not raised
+                # a failure is recorded, not raised; MaxText's runs the rematerialized step
+                c = remat.compile_as_run(job, name, written[name], mesh, compile_one)
                 results[name] = c.priced if c.priced is not None else f"failed: {c.error}"
     for name in wanted:
         if name in measured:

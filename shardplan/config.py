@@ -33,7 +33,7 @@ from shardplan.planning.job import mesh_shapes
 from shardplan.units import parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
-BASELINE_NAMES = ("data_parallel", "fsdp", "megatron", "two_d")
+BASELINE_NAMES = ("data_parallel", "fsdp", "megatron", "two_d", "maxtext")
 FORMATS = ("json", "md", "png")
 MAX_COMPILE_DEVICES = 64
 
@@ -234,8 +234,10 @@ class OutputSection(_Section):
     compare: bool = True
     """Compile the plan and the baselines with XLA on CPU devices and price them (meshes of at
     most 64 devices; larger ones show the cost model's estimate only)."""
-    baselines: tuple[Literal["data_parallel", "fsdp", "megatron", "two_d"], ...] | None = None
-    """Baselines to compare with; default those that apply to the model and mesh."""
+    baselines: tuple[Literal["data_parallel", "fsdp", "megatron", "two_d", "maxtext"], ...] | None = None
+    """Baselines to compare with; default those that apply to the model and mesh. maxtext is
+    MaxText's configuration: FSDP over the whole slice with the scanned layers
+    rematerialized (its remat_policy full), for a step with scanned layers."""
 
 
 class Config(_Section):

@@ -36,6 +36,23 @@ def test_shipped_config_loads_and_builds(path, devices):
         "cite which profile and where its figures come from"
 
 
+# MaxText's per-device batch (src/maxtext/configs/tpu/v5e/llama2_7b.sh, llama2_70b.sh;
+# tests/end_to_end/tpu/mixtral/8x7b/2_test_mixtral.sh)
+MAXTEXT_CONFIGS = {"llama2-7b-tpu-v5e-16": 4, "llama2-70b-tpu-v5e-256": 2,
+                   "mixtral-8x7b-tpu-v5p-128": 4}
+
+
+@pytest.mark.parametrize("name", sorted(MAXTEXT_CONFIGS))
+def test_maxtext_configs_compare_with_maxtexts_configuration(name):
+    config = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"))
+    assert "maxtext" in config.output.baselines
+    assert config.model.batch_size == MAXTEXT_CONFIGS[name] * config.cluster.mesh.num_devices
+    assert config.model.seq_len == 2048
+    assert config.model.overrides["scan_layers"] and config.model.overrides["remat"] is False
+    assert config.search_options().remat is True  # the planner rematerializes, as MaxText
+    assert "src/maxtext/configs" in config.description
+
+
 def _error(data, overrides=()) -> ConfigError:
     with pytest.raises(ConfigError) as info:
         parse_config(apply_overrides(data, overrides))

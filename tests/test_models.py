@@ -87,11 +87,13 @@ def test_wresnet_batch_norm_stats_are_state_not_params():
     assert "batch_stats" not in group.args[0] and group.num_params == step.num_params
 
 
-# published parameter counts: GPT-2 small and XL, LLaMA-7B, BERT-large with its MLM head,
-# ViT-B/16; the GPT-3 family by name within 3%
+# published parameter counts: GPT-2 small and XL, LLaMA-7B, Llama 2 7B and 70B (grouped-query
+# attention), Mixtral 8x7B, BERT-large with its MLM head, ViT-B/16; the GPT-3 family by name
+# within 3%
 EXACT = [("gpt", "gpt2-124m", 124_439_808), ("gpt", "gpt2-1.5b", 1_557_611_200),
-         ("llama", "7b", 6_738_415_616), ("bert", "large", 335_174_458),
-         ("vit", "b16", 86_567_656)]
+         ("llama", "7b", 6_738_415_616), ("llama", "llama2-7b", 6_738_415_616),
+         ("llama", "llama2-70b", 68_976_648_192), ("moe", "mixtral-8x7b", 46_702_792_704),
+         ("bert", "large", 335_174_458), ("vit", "b16", 86_567_656)]
 APPROX = [("gpt", "6.7b", 6.7e9), ("gpt", "39b", 39e9), ("gpt", "1.3b", 1.3e9),
           ("moe", "380m", 380e6), ("moe", "2.4b", 2.4e9), ("wresnet", "1b", 1e9),
           ("wresnet", "6.8b", 6.8e9), ("mlp", "1b", 1e9 * 1.0737), ("bert", "megatron-3.9b", 3.9e9)]
@@ -185,6 +187,25 @@ def test_top2_gating_respects_capacity():
     for gi, si in zip(*np.nonzero(kept.sum(-1) == 2)):
         assert kept[gi, si, first[gi, si]] == 1
     assert float(aux) > 0
+
+
+def test_scanned_moe_of_every_layer_trains():
+    """Mixtral's layout: every layer a MoE of SwiGLU experts, scanned, grouped-query attention;
+    each layer's auxiliary loss counted once."""
+    kw = {"moe_every": 1, "scan_layers": True, "remat": False, "mlp": "swiglu",
+          "fused_qkv": False, "num_kv_heads": 2, "num_layers": 3, "dropout_rate": 0.0}
+    step = models.get_model("moe", "tiny", **kw)
+    layer = step.args[0]["layers"]
+    assert layer["mlp"]["experts"]["wi"].shape == (3, 8, 64, 2, 128)
+    assert layer["attn"]["key"]["kernel"].shape == (3, 64, 2 * 8)
+    _, _, loss = jax.jit(step.fn)(*step.args)
+    plain = models.get_model("moe", "tiny", aux_loss_coef=0.0, **kw)
+    _, _, base = jax.jit(plain.fn)(*plain.args)
+    assert np.isfinite(loss) and float(loss) > float(base)
+    with pytest.raises(ValueError, match="moe_every=1"):
+        models.get_model("moe", "tiny", scan_layers=True)
+    with pytest.raises(ValueError, match="fused_qkv=False"):
+        models.get_model("llama", "tiny", num_kv_heads=2, fused_qkv=True)
 
 
 def test_errors_name_the_problem():

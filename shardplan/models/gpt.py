@@ -1,7 +1,8 @@
 """GPT decoder (Megatron-style blocks) and its Llama variant, as causal language models.
 
 Sizes: GPT-2 (gpt2-*), the GPT-3 family Alpa and Megatron benchmark (350m ... 76b, vocab 51200,
-seq 1024, tied embeddings) and Llama (RMSNorm, SwiGLU, no biases, rotary, untied head).
+seq 1024, tied embeddings) and Llama (RMSNorm, SwiGLU, no biases, rotary, untied head; Llama 2
+as MaxText's model configs, grouped-query attention in the 70B).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ def _gpt2(hidden: int, num_layers: int, num_heads: int) -> TC:
 
 
 def _llama(hidden: int, num_layers: int, num_heads: int, ffn_dim: int, seq_len: int = 2048,
-           vocab_size: int = 32000) -> TC:
+           vocab_size: int = 32000, num_kv_heads: int | None = None,
+           norm_eps: float = 1e-6) -> TC:
     return TC(vocab_size=vocab_size, seq_len=seq_len, hidden=hidden, num_layers=num_layers,
-              num_heads=num_heads, ffn_dim=ffn_dim, fused_qkv=False, use_bias=False,
-              position="rope", tied_embeddings=False, norm="rms", norm_eps=1e-6,
-              mlp="swiglu", dropout_rate=0.0)
+              num_heads=num_heads, num_kv_heads=num_kv_heads, ffn_dim=ffn_dim, fused_qkv=False,
+              use_bias=False, position="rope", tied_embeddings=False, norm="rms",
+              norm_eps=norm_eps, mlp="swiglu", dropout_rate=0.0)
 
 
 LLAMA_SIZES = {
@@ -37,6 +39,10 @@ LLAMA_SIZES = {
     "7b": _llama(4096, 32, 32, 11008),
     "13b": _llama(5120, 40, 40, 13824),
     "65b": _llama(8192, 80, 64, 22016),
+    # MaxText's configs/models/llama2-7b.yml and llama2-70b.yml (grouped-query attention with
+    # 8 key/value heads in the 70B)
+    "llama2-7b": _llama(4096, 32, 32, 11008, norm_eps=1e-5),
+    "llama2-70b": _llama(8192, 80, 64, 28672, num_kv_heads=8, norm_eps=1e-5),
 }
 
 GPT_SIZES = {

@@ -28,6 +28,9 @@ class TransformerConfig:
     hidden: int = 64
     num_layers: int = 2
     num_heads: int = 8
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention, each shared by num_heads / num_kv_heads query
+    heads; needs fused_qkv=False); None means num_heads."""
     ffn_dim: int = 256
     """Inner width of the MLP (of each expert for MoE layers)."""
     fused_qkv: bool = True
@@ -44,7 +47,9 @@ class TransformerConfig:
     pre_norm: bool = True
     dropout_rate: float = 0.1
     num_experts: int = 0
-    """0 for a dense model; else every `moe_every`-th layer (1, 3, ... for 2) is a MoE layer."""
+    """0 for a dense model; else every `moe_every`-th layer (1, 3, ... for 2) is a MoE layer
+    (every layer for 1, as Mixtral). The experts' MLP is SwiGLU where `mlp` is "swiglu" (`wi`
+    then holds the gate and up kernels, (E, d, 2, f)), else ReLU."""
     moe_every: int = 2
     expert_group_size: int = 2048
     """Tokens per routing group (GShard's S); the batch's tokens must divide into groups."""
@@ -80,16 +85,26 @@ class TransformerConfig:
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by num_heads="
                              f"{self.num_heads}; change one of them")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads="
+                             f"{self.num_kv_heads}; change one of them")
+        if self.kv_heads != self.num_heads and self.fused_qkv:
+            raise ValueError("grouped-query attention (num_kv_heads < num_heads) needs "
+                             "fused_qkv=False")
         moe = [i for i in range(self.num_layers) if self.is_moe_layer(i)]
-        if self.scan_layers and moe:
+        if self.scan_layers and moe and len(moe) < self.num_layers:
             raise ValueError(
                 f"scan_layers needs identical layers, but layers {moe} are MoE layers "
                 f"(num_experts={self.num_experts}, moe_every={self.moe_every}) and the others "
-                "dense; use scan_layers=False for MoE models")
+                "dense; use scan_layers=False, or moe_every=1 (every layer MoE)")
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i % self.moe_every == self.moe_every - 1
@@ -143,7 +158,10 @@ class Attention(nn.Module):
             qkv = _dense(c, 3 * h, "qkv")(x).reshape(b, t, n, 3, d)
             q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         else:
-            q, k, v = (_dense(c, h, nm)(x).reshape(b, t, n, d) for nm in ("query", "key", "value"))
+            q = _dense(c, h, "query")(x).reshape(b, t, n, d)
+            kv = c.kv_heads
+            k, v = (jnp.repeat(_dense(c, kv * d, nm)(x).reshape(b, t, kv, d), n // kv, axis=2)
+                    for nm in ("key", "value"))
         if c.position == "rope":
             q, k = rotary(q), rotary(k)
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) / math.sqrt(d)
@@ -213,9 +231,14 @@ class Experts(nn.Module):
         _, param_dtype = c.dtypes()
         m = expert_in.shape[-1]
         init = nn.initializers.normal(c.init_std)
-        wi = self.param("wi", init, (c.num_experts, m, c.ffn_dim), param_dtype)
         wo = self.param("wo", init, (c.num_experts, c.ffn_dim, m), param_dtype)
-        h = nn.relu(jnp.einsum("egcm,emf->egcf", expert_in, wi.astype(expert_in.dtype)))
+        if c.mlp == "swiglu":
+            wi = self.param("wi", init, (c.num_experts, m, 2, c.ffn_dim), param_dtype)
+            gu = jnp.einsum("egcm,emkf->egckf", expert_in, wi.astype(expert_in.dtype))
+            h = nn.silu(gu[..., 0, :]) * gu[..., 1, :]
+        else:
+            wi = self.param("wi", init, (c.num_experts, m, c.ffn_dim), param_dtype)
+            h = nn.relu(jnp.einsum("egcm,emf->egcf", expert_in, wi.astype(expert_in.dtype)))
         return jnp.einsum("egcf,efm->egcm", h, wo.astype(expert_in.dtype))
 
 
@@ -295,13 +318,14 @@ def decoder_layers(cfg: TransformerConfig, x, *, train: bool):
         return x
     # MaxText's layout; inside a scan, CSE cannot merge the recomputation across iterations
     body = nn.remat(ScannedBlock, prevent_cse=False) if remat else ScannedBlock
-    stack = nn.scan(body, variable_axes={"params": 0},
+    stack = nn.scan(body, variable_axes={"params": 0, "intermediates": 0},
                     split_rngs={"params": True, "dropout": True}, length=cfg.num_layers)
-    x, _ = stack(cfg, train=train, name="layers")(x, None)
+    x, _ = stack(cfg, moe=cfg.is_moe_layer(0), train=train, name="layers")(x, None)
     return x
 
 
 def aux_loss(state) -> jax.Array:
-    """Sum of the MoE auxiliary losses sown into the `intermediates` collection."""
+    """Sum of the MoE auxiliary losses sown into the `intermediates` collection (a scan's
+    stacked on its layer dimension)."""
     leaves = jax.tree.leaves(state.get("intermediates", {}))
-    return sum(leaves, jnp.zeros((), jnp.float32))
+    return sum((jnp.sum(x) for x in leaves), jnp.zeros((), jnp.float32))

@@ -1,7 +1,9 @@
 """The expert plans written out as Plans of the job's step: data parallel, FSDP, Megatron and
 2-D as an expert writes them by hand (intra/experts.py holds their input shardings, the same
-the ILP is seeded with). The selection (shardplan.planning.select) compiles them beside the
-searched plan; the CLI's comparison compiles them as its baselines."""
+the ILP is seeded with), and MaxText's configuration: FSDP over the whole slice with the
+scanned layers rematerialized (its remat_policy full; planning.remat), for a step that has
+scanned layers. The selection (shardplan.planning.select) compiles them beside the searched
+plan; the CLI's comparison compiles them as its baselines."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from shardplan.intra import experts
 from shardplan.intra.solve.types import InfeasibleMemory, SearchTimeout
 from shardplan.ir.graph import Role
 from shardplan.plan import Estimate, Plan
+from shardplan.planning import remat
 from shardplan.planning.intra_op import plan_graph
 from shardplan.planning.job import Job
 from shardplan.strategies.spec import ShardSpec
@@ -35,30 +38,61 @@ def expert_plans(job: Job, plan: Plan, *, complete: bool = True,
     expert plan is what it is: the selection judges its compiled peak) within `deadline`
     (default the job's) or, given seconds, that many each: a search that used up a shared
     deadline would leave the experts their inputs alone."""
-    out = {}
-    graph, pinned = job.graph, job.pinned
-    free = job.replace(options=job.options.replace(memory_budget=None))
-    for name, fixed in experts.expert_inputs(graph, plan.mesh).items():
-        inputs = tuple(pinned.get(i, fixed[i]) for i in range(len(graph.inputs)))
-        splits = experts.splits_state(inputs, graph.input_roles)
-        written = (_complete(free, dict(enumerate(inputs)), deadline)
-                   if complete and splits else None)
-        if written is not None:
-            out[name] = dataclasses.replace(
-                written, notes=(), solver=f"{name} (the expert's input shardings"
-                f"{', hints pinned' if pinned else ''}; the ILP lays out the rest)")
-            continue
-        outputs = tuple(inputs[tie] if tie is not None else
-                        ShardSpec.replicated(graph.values[v].ndim)
-                        for v, tie in zip(graph.outputs, graph.output_ties))
-        state = sum(graph.values[v].nbytes / s.num_shards(plan.mesh)
-                    for v, s, r in zip(graph.inputs, inputs, graph.input_roles) if r == Role.STATE)
-        out[name] = dataclasses.replace(
-            plan, input_specs=inputs, output_specs=outputs, constraints={}, operand_specs={},
-            ops=(), notes=(), estimate=Estimate(0.0, 0.0, 0.0, state),
-            solver=f"{name} (the expert's input shardings{', hints pinned' if pinned else ''}; "
-                   "XLA propagates the rest)")
+    out = {name: _written(job, plan, name, fixed, complete, deadline)
+           for name, fixed in experts.expert_inputs(job.graph, plan.mesh).items()}
+    maxtext = _maxtext(job, plan, complete, deadline)
+    if maxtext is not None:
+        out[MAXTEXT] = maxtext
     return out
+
+
+MAXTEXT = "maxtext"
+"""MaxText's configuration (its configs' ici_fsdp_parallelism=-1 and remat_policy full): the
+FSDP expert of the rematerialized step, the plan marked remat."""
+
+
+def _maxtext(job: Job, plan: Plan, complete: bool,
+             deadline: Deadline | float | None) -> Plan | None:
+    """FSDP over the slice of the step with its scanned layers rematerialized, marked remat;
+    None where the step has no scanned layers to rematerialize, or is rematerialized already
+    (its FSDP expert is that plan)."""
+    if job.traced.remat is not None:
+        return None
+    rewritten = job.traced.rematerialized
+    if rewritten is None:
+        return None
+    own = job.replace(traced=rewritten)
+    fixed = experts.expert_inputs(own.graph, plan.mesh).get("fsdp")
+    if fixed is None:
+        return None
+    written = _written(own, plan, "fsdp", fixed, complete, deadline)
+    return dataclasses.replace(remat.marked(written, rewritten, "MaxText's configuration"),
+                               solver=written.solver.replace("fsdp", "maxtext: fsdp", 1))
+
+
+def _written(job: Job, plan: Plan, name: str, fixed: dict[int, ShardSpec], complete: bool,
+             deadline: Deadline | float | None) -> Plan:
+    """One expert plan of the job's step from its input specs `fixed` (see expert_plans)."""
+    graph, pinned = job.graph, job.pinned
+    inputs = tuple(pinned.get(i, fixed[i]) for i in range(len(graph.inputs)))
+    splits = experts.splits_state(inputs, graph.input_roles)
+    free = job.replace(options=job.options.replace(memory_budget=None))
+    written = (_complete(free, dict(enumerate(inputs)), deadline)
+               if complete and splits else None)
+    if written is not None:
+        return dataclasses.replace(
+            written, notes=(), solver=f"{name} (the expert's input shardings"
+            f"{', hints pinned' if pinned else ''}; the ILP lays out the rest)")
+    outputs = tuple(inputs[tie] if tie is not None else
+                    ShardSpec.replicated(graph.values[v].ndim)
+                    for v, tie in zip(graph.outputs, graph.output_ties))
+    state = sum(graph.values[v].nbytes / s.num_shards(plan.mesh)
+                for v, s, r in zip(graph.inputs, inputs, graph.input_roles) if r == Role.STATE)
+    return dataclasses.replace(
+        plan, input_specs=inputs, output_specs=outputs, constraints={}, operand_specs={},
+        ops=(), notes=(), remat=False, estimate=Estimate(0.0, 0.0, 0.0, state),
+        solver=f"{name} (the expert's input shardings{', hints pinned' if pinned else ''}; "
+               "XLA propagates the rest)")
 
 
 def _complete(job: Job, fixed: dict[int, ShardSpec], deadline: Deadline | float | None

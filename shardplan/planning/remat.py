@@ -7,9 +7,12 @@ rewrites the step as its plan says."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from shardplan.ir.trace import TracedStep
 from shardplan.plan import Plan
+from shardplan.planning import compiled
+from shardplan.planning.job import Job
 from shardplan.units import fmt_bytes
 
 
@@ -23,6 +26,28 @@ def traced_for(plan: Plan, traced: TracedStep) -> TracedStep:
                          "differentiated scan to rewrite (another step?): plan the step again "
                          "(shardplan.auto without plan=, or shardplan.search)")
     return remat
+
+
+def job_for(plan: Plan, job: Job) -> Job:
+    """The job whose step `plan` runs: `job`, or its step rematerialized where the plan is
+    marked remat and the job's step is as written (MaxText's configuration among the expert
+    plans, planning.expert_plans)."""
+    if not plan.remat or job.traced.remat is not None:
+        return job
+    return job.replace(traced=traced_for(plan, job.traced))
+
+
+def compile_as_run(job: Job, name: str, plan: Plan, mesh,
+                   compile_one: Callable[[str, Plan], compiled.MeasuredProgram] | None = None,
+                   widening: float = 1.0) -> compiled.MeasuredProgram:
+    """`plan` of the job's step compiled and priced as it runs: by `compile_one` where it runs
+    the job's step (e.g. priced from shallow copies, planning.depth), else the step it runs
+    (job_for) compiled in full on `mesh` (`widening`: compiled.measure's)."""
+    own = job_for(plan, job)
+    if own is job and compile_one is not None:
+        return compile_one(name, plan)
+    return compiled.measure(own.graph, own.traced, plan, mesh, job.hw, name, job.donated_args,
+                            compiled.compute_dtype(own.graph), widening)
 
 
 def noted(plan: Plan, note: str) -> Plan:

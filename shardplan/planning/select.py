@@ -35,7 +35,7 @@ from shardplan.cost.hardware import HardwareProfile
 from shardplan.intra.memory import liveness
 from shardplan.intra.solve.types import InfeasibleMemory, SearchTimeout
 from shardplan.plan import Estimate, Plan
-from shardplan.planning import compiled
+from shardplan.planning import compiled, remat
 from shardplan.planning.compiled import (
     MeasuredProgram,
     compute_dtype,
@@ -101,6 +101,8 @@ def select(job: Job, plan: Plan, *,
     def run(name: str, p: Plan) -> MeasuredProgram:
         if progress is not None:
             progress(f"compiling and pricing the {name} plan")
+        if p.remat:  # MaxText's configuration: the rematerialized step
+            return remat.compile_as_run(job, name, p, mesh, compile_one, widening)
         if compile_one is not None:
             return compile_one(name, p)
         return compiled.measure(graph, job.traced, p, mesh, job.hw, name, job.donated_args,
