@@ -90,6 +90,5 @@ def test_a_search_that_runs_out_names_the_callers_time_limit(monkeypatch):
                                state_argnums=step.state_argnums,
                                batch_argnums=step.batch_argnums)
     with pytest.raises(types.SearchTimeout, match=r"the time limit of 12 s ran out") as caught:
-        plan_step(traced, MeshShape(("data", "model"), (2, 4)), hw, options,
-                  deadline=Deadline(12.0))
+        plan_step(traced, MeshShape(("data", "model"), (2, 4)), hw, options)
     assert caught.value.time_limit_s == 12.0
