@@ -13,10 +13,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan import _compat, distributed, gcpause
+from shardplan import _compat, distributed, gcpause, progress_display
 from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
+from shardplan import progress as progress_mod
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.emit import spmd as spmd_mod
 from shardplan.emit.jit import emit_jit
@@ -119,8 +120,9 @@ class AutoStep:
 
     def __init__(self, fn, mesh=None, options: SearchOptions = DEFAULTS,
                  plan: Plan | None = None, hardware: str | HardwareProfile | None = None,
-                 donate_argnums: tuple[int, ...] = (), cache=True):
+                 donate_argnums: tuple[int, ...] = (), cache=True, progress=None):
         functools.update_wrapper(self, fn)
+        self.progress = progress  # progress_display.on_stderr's argument
         self.fn = fn
         self._mesh = mesh
         self.options = options
@@ -162,25 +164,28 @@ class AutoStep:
                                  f"{len(args)} arguments")
         key = _signature(args)
         if key not in self._cache:
-            with gcpause.paused():
-                self._cache[key] = self._plan_and_emit(args)
+            with gcpause.paused(), progress_display.on_stderr(self.progress) as reporter:
+                self._cache[key] = self._plan_and_emit(args, reporter)
         return self._cache[key]
 
-    def _plan_and_emit(self, args) -> tuple[Plan, Any, Any]:
+    def _plan_and_emit(self, args, reporter=progress_mod.SILENT
+                       ) -> tuple[Plan, Any, Any]:
         """Trace, plan (or adopt the given plan) and emit: (plan, the callable that runs it,
         the input shardings of its one jit, or None for a pipeline)."""
         mesh = self.mesh
         o = self.options.replace(hints=hints_mod.with_boxes(self.options.hints, args,
                                                             self.options.model_constraints))
         hints_mod.check_mesh_axes(o.hints, mesh.axis_names)
-        traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
+        with progress_mod.phase(reporter, "tracing"):
+            traced = trace(self.fn, args, o.state_argnums, o.batch_argnums)
         fp = fingerprint_mod.of_step(traced, MeshShape.of(mesh))
         hw = _profile(self.hardware, mesh.devices.flat[0].platform)
         multi = distributed.is_multi_controller()
 
         def job(options: SearchOptions) -> Job:
             return Job.make(traced, MeshShape.of(mesh), hw, options, device_mesh=mesh,
-                            donate_argnums=self.donate_argnums, fn=self.fn, args=args)
+                            donate_argnums=self.donate_argnums, fn=self.fn, args=args,
+                            progress=reporter)
 
         if o.remat is True and o.pipeline is not False and self._given_plan is None:
             raise ValueError(f"remat=True rematerializes the layers of one program; pipeline="
@@ -386,7 +391,7 @@ def _mesh_text(m: MeshShape) -> str:
 
 def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
          donate_argnums: Sequence[int] = (), plan: Plan | str | None = None,
-         options: SearchOptions | None = None, cache=True, **search_options):
+         options: SearchOptions | None = None, cache=True, progress=None, **search_options):
     """Plan and run a single-device train step over a device mesh.
 
     Use bare (`@shardplan.auto`: all devices on one axis) or with options. The step is traced
@@ -424,6 +429,9 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
         deterministic (solver limits by work, not time: the same plan at any load).
       cache: reuse plans saved on disk by step fingerprint (shardplan.cache): True (the
         directory $SHARDPLAN_CACHE or ~/.cache/shardplan), False, or a directory.
+      progress: None (default): planning shows its phases and the solver's bound and gap
+        live on stderr where it is a terminal (not under pytest); False: nothing; True: live
+        on a terminal; a shardplan.progress.Reporter: told them instead.
 
     Under jax.distributed (several processes), process 0 plans (or loads the cached plan) and
     broadcasts it, and every process checks that all run the same plan before the first step
@@ -442,9 +450,9 @@ def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,
     if fn is None:
         def decorate(f):
             _check_fn(f, "shardplan.auto")
-            return AutoStep(f, mesh, options, plan, hardware, donate_argnums, cache)
+            return AutoStep(f, mesh, options, plan, hardware, donate_argnums, cache, progress)
         return decorate
-    return AutoStep(fn, mesh, options, plan, hardware, donate_argnums, cache)
+    return AutoStep(fn, mesh, options, plan, hardware, donate_argnums, cache, progress)
 
 
 def coverage(fn, *args, state_argnums: Sequence[int] | None = None,

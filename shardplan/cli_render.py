@@ -14,10 +14,9 @@ from collections.abc import Sequence
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shardplan import bench, files, report, report_plots
+from shardplan import bench, files, progress, progress_display, report, report_plots
 from shardplan.config import Config
 from shardplan.cost import ring
 from shardplan.units import fmt_bytes, fmt_seconds
@@ -38,24 +37,24 @@ def plain(text: str) -> str:
 
 
 class Phases:
-    """A spinner naming the running phase with its elapsed time; each finished phase is logged
-    with its time (planning a large model takes minutes: the user sees which phase it is in)."""
+    """The command's phases on `console`: on a terminal live (progress_display: the running
+    phase, the planner's phases inside it and the solver's bound and gap, as `reporter`, which
+    the command hands to the planner), elsewhere a line as each starts; each finished phase is
+    logged with its time. A quiet console shows nothing (planning a large model takes minutes:
+    the user sees which phase it is in)."""
 
     def __init__(self, console):
         self.console = console
+        self.reporter = progress_display.for_console(console)
 
     @contextlib.contextmanager
-    def __call__(self, text: str):
+    def __call__(self, text: str, done: int | None = None, total: int | None = None):
         start = time.perf_counter()
-        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-        live = self.console.is_terminal
+        text = progress_display.phase_text(text, done, total)
+        if self.reporter is progress.SILENT:
+            self.console.print(f"{shown(text)} ...")
         try:
-            with (Progress(*columns, console=self.console, transient=True) if live
-                  else contextlib.nullcontext()) as progress:
-                if live:
-                    progress.add_task(shown(text), total=None)
-                else:
-                    self.console.print(f"{shown(text)} ...")
+            with progress.phase(self.reporter, text):
                 yield
         except BaseException:
             self.console.print(f"[red]x[/red] {shown(text)} (failed after "

@@ -93,13 +93,15 @@ def plan_config(config: Config, work: Workload, phases: Phases, notes: list[str]
     # is the dear part of a search: once per candidate, not once per candidate and mesh).
     per_mesh = options.replace(measure=False)
     best, tried, infeasible = None, {}, []
-    for names, sizes in meshes:
+    for k, (names, sizes) in enumerate(meshes):
         label = " x ".join(f"{n}={k}" for n, k in zip(names, sizes))
         how = "trace, strategies, ILP"
-        with phases(f"planning {work.label} on mesh {label} ({how})"):
+        with phases(f"planning {work.label} on mesh {label} ({how})",
+                    *((k + 1, len(meshes)) if len(meshes) > 1 else ())):
             try:
                 plan = shardplan.search(work.fn, *work.args, cluster=hw, mesh_shape=sizes,
-                                        axis_names=names, options=per_mesh)
+                                        axis_names=names, options=per_mesh,
+                                        progress=phases.reporter)
             except shardplan.InfeasibleMemory as e:
                 infeasible.append(e)
                 tried[label] = f"no plan fits (needs {fmt_bytes(e.min_bytes)})"
@@ -175,10 +177,11 @@ def measured(config: Config, work: Workload, plan, options, phases: Phases):
     if plan.remat or plan.grad_accumulation > 1:
         with phases(f"planning {work.label} on mesh {label} again, compiling candidates"):
             return shardplan.search(work.fn, *work.args, cluster=hw, mesh_shape=plan.mesh.sizes,
-                                    axis_names=plan.mesh.names, options=options)
+                                    axis_names=plan.mesh.names, options=options,
+                                    progress=phases.reporter)
     options = options.replace(hints=hints_mod.with_boxes(options.hints, work.args,
                                                          options.model_constraints))
-    job = Job.make(_traced(work), plan.mesh, hw, options)
+    job = Job.make(_traced(work), plan.mesh, hw, options, progress=phases.reporter)
     traced, graph = job.traced, job.graph
     mesh, _ = targets.compile_mesh(hw, plan.mesh)
     shallow, repeats = None, depth.layer_period(graph)

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shardplan import fingerprint, gcpause
+from shardplan import fingerprint, gcpause, progress_display
 from shardplan import hints as hints_mod
+from shardplan import progress as progress_mod
 from shardplan.api import _check_fn, _options
 from shardplan.cost.hardware import HardwareProfile, get_profile
 from shardplan.intra.solve.types import InfeasibleMemory, SearchTimeout
@@ -46,7 +47,8 @@ def parse_cluster(cluster: str) -> tuple[HardwareProfile, int | None]:
 def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
            mesh_shape: Sequence[int] | str | None = None,
            axis_names: Sequence[str] | None = None, num_devices: int | None = None,
-           options: SearchOptions | None = None, **search_options) -> Plan:
+           options: SearchOptions | None = None,
+           progress: progress_mod.Reporter | bool = False, **search_options) -> Plan:
     """Plan a step for a cluster without devices: args may be ShapeDtypeStructs.
 
     `cluster` is a hardware profile name, optionally with a device count ("tpu-v4-32"), or a
@@ -60,16 +62,18 @@ def search(fn, *abstract_args, cluster: str | HardwareProfile = "cpu",
     (`plan.candidates` then hold each program's peak per chip and collectives), else by XLA on
     CPU devices standing in for it (JAX must run as many CPU devices as the mesh has). On a
     TPU cluster the TPU compiler also checks a plan said to fit `memory_budget`
-    (shardplan.planning.select), as `auto` does on devices.
+    (shardplan.planning.select), as `auto` does on devices. `progress`: a
+    shardplan.progress.Reporter told each phase and the solver's bounds, True for a live
+    display on stderr where it is a terminal, False (the default) for none.
     """
     _check_fn(fn, "shardplan.search")
-    with gcpause.paused():
+    with gcpause.paused(), progress_display.on_stderr(progress) as reporter:
         return _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
-                       _options(options, search_options))
+                       _options(options, search_options), reporter)
 
 
 def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
-            options: SearchOptions) -> Plan:
+            options: SearchOptions, reporter: progress_mod.Reporter) -> Plan:
     if options.pipeline is not False:
         raise ValueError(f"pipeline={options.pipeline!r}: shardplan.search plans one program; "
                          "pipeline stages are planned by shardplan.auto(..., pipeline=...) on a "
@@ -94,7 +98,7 @@ def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
                              "or num_devices=N, or a cluster like 'tpu-v4-32'")
         if mesh_shape == "auto":
             check_auto_devices(count)
-            return _search_meshes(fn, abstract_args, hw, count, axis_names, options)
+            return _search_meshes(fn, abstract_args, hw, count, axis_names, options, reporter)
         mesh_shape = (count,)
     if (not isinstance(mesh_shape, Sequence) or isinstance(mesh_shape, str) or not mesh_shape
             or not all(isinstance(k, (int, np.integer)) and k >= 1 for k in mesh_shape)):
@@ -120,9 +124,11 @@ def _search(fn, abstract_args, cluster, mesh_shape, axis_names, num_devices,
     hints_mod.check_mesh_axes(options.hints, names)
     options = options.replace(hints=hints_mod.with_boxes(options.hints, abstract_args,
                                                          options.model_constraints))
-    traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
+    with progress_mod.phase(reporter, "tracing"):
+        traced = trace(fn, abstract_args, options.state_argnums, options.batch_argnums)
     shape = MeshShape(names, mesh_shape)
-    plan = driver.plan_program(Job.make(traced, shape, hw, options, fn=fn, args=abstract_args))
+    plan = driver.plan_program(Job.make(traced, shape, hw, options, fn=fn, args=abstract_args,
+                                        progress=reporter))
     return dataclasses.replace(plan, fingerprint=fingerprint.of_step(traced, shape))
 
 
@@ -138,7 +144,8 @@ def check_auto_devices(count: int) -> int:
 
 
 def _search_meshes(fn, abstract_args, hw: HardwareProfile, count: int,
-                   axis_names: Sequence[str] | None, options: SearchOptions) -> Plan:
+                   axis_names: Sequence[str] | None, options: SearchOptions,
+                   reporter: progress_mod.Reporter = progress_mod.SILENT) -> Plan:
     """mesh_shape="auto": the cheapest plan over every 1-D and 2-D mesh of `count` devices,
     the time limit shared among them (each gets what is left over the meshes still to plan)."""
     if axis_names is not None and (isinstance(axis_names, str) or len(axis_names) > 2):
@@ -156,8 +163,10 @@ def _search_meshes(fn, abstract_args, hw: HardwareProfile, count: int,
             break
         share = max((end - time.monotonic()) / (len(meshes) - k), 0.5)
         try:
-            plan = search(fn, *abstract_args, cluster=hw, mesh_shape=sizes, axis_names=names,
-                          options=options.replace(time_limit=share))
+            with progress_mod.phase(reporter, f"mesh {label}", k + 1, len(meshes)):
+                plan = search(fn, *abstract_args, cluster=hw, mesh_shape=sizes,
+                              axis_names=names, options=options.replace(time_limit=share),
+                              progress=reporter)
         except InfeasibleMemory as e:
             least = e.min_bytes if least is None else min(least, e.min_bytes)
             tried.append(f"{label}: no plan fits (needs {fmt_bytes(e.min_bytes)})")

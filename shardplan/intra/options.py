@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from shardplan import progress as progress_mod
 from shardplan.intra.memory.model import MARGIN
 from shardplan.intra.settings import IntraOptions, SolverSettings
 from shardplan.options import SearchOptions
@@ -16,15 +17,16 @@ def intra_options(options: SearchOptions, memory_budget: float | None = None,
                   deadline: Deadline | None = None,
                   donated: frozenset[int] | None = None,
                   combine_gradients: bool | None = None,
-                  compiler: str = IntraOptions.compiler) -> IntraOptions:
+                  compiler: str = IntraOptions.compiler,
+                  progress: progress_mod.Reporter = progress_mod.SILENT) -> IntraOptions:
     """IntraOptions with the solver settings of `options` and `memory_budget` (the ILP's
     budget, which the measured selection may tighten below the search's); `fixed_inputs` are
     the inputs the options' hints pin (shardplan.intra.hints.fixed_inputs); the wall clock the
     whole search ends by (dropped where the options limit solves by their work), and the flat
     inputs the compiled step donates (None: its state); `combine_gradients`: IntraOptions'
     (None: its default); `compiler`: the target's HardwareProfile.backend, whose buffer rules
-    the memory model follows."""
-    solver = SolverSettings.of(options)
+    the memory model follows; `progress`: told the solves' phases and bounds."""
+    solver = SolverSettings.of(options, progress)
     return IntraOptions(memory_budget=memory_budget, solver=solver,
                         fixed_inputs=dict(fixed_inputs or {}),
                         deadline=None if solver.deterministic else deadline,

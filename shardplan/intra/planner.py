@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shardplan import _compat
+from shardplan import _compat, progress
 from shardplan.cost.estimate import Estimate
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra import estimate as estimate_mod
@@ -113,14 +113,16 @@ def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOp
     seeds = (experts.expert_inputs(problem.graph, problem.mesh)
              if options.seed_baselines and not options.fixed_inputs else {})
     candidates, notes, timeout = [], [], None
+    reporter = options.solver.progress
     try:
-        candidates.append(("searched", ilp.solve(_leaving_seeds_time(inp, seeds))))
+        with progress.phase(reporter, "the ILP"):
+            candidates.append(("searched", ilp.solve(_leaving_seeds_time(inp, seeds))))
     except types.SearchTimeout as e:
         timeout = e
     proven = bool(candidates) and candidates[0][1].optimal
     skipped = []
     if not proven:
-        for name, fixed in seeds.items():
+        for k, (name, fixed) in enumerate(seeds.items()):
             pinned = _pinned(problem, inp, fixed)
             if pinned is None:
                 continue
@@ -140,7 +142,9 @@ def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOp
                                        types.Solution(choice, obj, peak, False, "pinned")))
                 continue
             try:
-                candidates.append((f"{name}-seeded", _seeded(pinned, inp.solver)))
+                with progress.phase(reporter, f"the ILP seeded with {name}'s inputs", k + 1,
+                                    len(seeds)):
+                    candidates.append((f"{name}-seeded", _seeded(pinned, inp.solver)))
             except (types.InfeasibleMemory, types.SearchTimeout):
                 continue
     cut_short = timeout is not None or bool(skipped) or (
@@ -174,8 +178,9 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
         names = ", ".join(sorted(p for p, _, _ in covered.replicated))
         _compat.warn_at_caller(f"shardplan: no sharding rule for {names}; these ops run "
                                "replicated")
-    problem = Problem(graph, mesh, cost, options)
-    inp = problem.solver_input()
+    with progress.phase(options.solver.progress, "strategies and costs"):
+        problem = Problem(graph, mesh, cost, options)
+        inp = problem.solver_input()
     try:
         solution, notes = _solve_with_seeds(problem, inp, options)
     except types.InfeasibleMemory as e:

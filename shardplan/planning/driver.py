@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 
-from shardplan import _compat
+from shardplan import _compat, progress
 from shardplan.intra.solve.types import InfeasibleMemory, SearchTimeout
 from shardplan.plan import Plan
 from shardplan.planning import accumulation, remat, select
@@ -44,8 +44,10 @@ def plan_program(job: Job) -> Plan:
         return first
     ms, why_not = accumulation.choices(job)
     tried = []
-    for k in ms:
-        plan, err, caught_k = _attempt(with_remat, _rest(accumulation.job_for(job, k)))
+    for i, k in enumerate(ms):
+        with progress.phase(job.progress, f"gradients accumulated over {k} micro-batches",
+                            i + 1, len(ms)):
+            plan, err, caught_k = _attempt(with_remat, _rest(accumulation.job_for(job, k)))
         if plan is not None and plan.fits() is not False:
             _rewarn(caught_k)
             return accumulation.marked(plan, k, f"grad_accumulation='auto': no plan of the step "
@@ -106,7 +108,8 @@ def with_remat(job: Job) -> Plan:
     budget = fmt_bytes(o.memory_budget)
     as_written = (f"needs at least {fmt_bytes(error.min_bytes)}" if error is not None else
                   f"its best plan needs {fmt_bytes(first.estimate.peak_bytes)}")
-    second, error2, caught2 = _attempt(judged, _rest(job.replace(traced=rewritten)))
+    with progress.phase(job.progress, "the step with its scanned layers rematerialized"):
+        second, error2, caught2 = _attempt(judged, _rest(job.replace(traced=rewritten)))
     if second is None:
         if first is not None:
             _rewarn(caught)

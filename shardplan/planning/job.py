@@ -9,6 +9,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shardplan import progress as progress_mod
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.intra import hints as hints_mod
 from shardplan.ir.graph import Graph
@@ -28,7 +29,9 @@ class Job:
     `donate_argnums` the arguments the compiled step donates (None: its state, as a plan for a
     cluster assumes; the memory model counts an undonated state output twice); `fn` and `args`
     the step as written, which the pipeline planners trace again (None when only one program
-    is planned). `deadline` bounds the whole job: every stage gets what remains of it."""
+    is planned). `deadline` bounds the whole job: every stage gets what remains of it.
+    `progress` is told each phase and the solver's bounds as they go (shardplan.progress:
+    silent by default; it never changes the plan)."""
 
     traced: TracedStep
     mesh: MeshShape
@@ -40,19 +43,21 @@ class Job:
     donate_argnums: tuple[int, ...] | None = None
     fn: Callable | None = None
     args: tuple | None = None
+    progress: progress_mod.Reporter = progress_mod.SILENT
 
     @classmethod
     def make(cls, traced: TracedStep, mesh: MeshShape, hw: HardwareProfile,
              options: SearchOptions, *, device_mesh=None,
              donate_argnums: Sequence[int] | None = None, fn: Callable | None = None,
-             args: Sequence | None = None) -> Job:
+             args: Sequence | None = None,
+             progress: progress_mod.Reporter = progress_mod.SILENT) -> Job:
         """A job whose deadline starts now (options.time_limit); the device order is the
         device mesh's, if any."""
         order = (tuple(int(d.id) for d in device_mesh.devices.flat)
                  if device_mesh is not None else None)
         return cls(traced, mesh, hw, options, Deadline(options.time_limit), device_mesh, order,
                    None if donate_argnums is None else tuple(donate_argnums), fn,
-                   None if args is None else tuple(args))
+                   None if args is None else tuple(args), progress)
 
     def replace(self, **changes) -> Job:
         """The job with `changes`; its lifted step is kept unless the step or how loops are
@@ -66,8 +71,9 @@ class Job:
     @functools.cached_property
     def graph(self) -> Graph:
         """The traced step lifted (loops inlined once with their trip count)."""
-        return lift(self.traced.closed_jaxpr, self.traced.arg_info,
-                    LiftOptions(while_trips=self.options.while_trips))
+        with progress_mod.phase(self.progress, "lifting"):
+            return lift(self.traced.closed_jaxpr, self.traced.arg_info,
+                        LiftOptions(while_trips=self.options.while_trips))
 
     @property
     def donated(self) -> frozenset[int] | None:

@@ -26,10 +26,10 @@ import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 
+from shardplan import progress
 from shardplan.analysis import targets
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.intra.memory import liveness
@@ -78,13 +78,12 @@ def search_job(job: Job) -> Job:
 
 def select(job: Job, plan: Plan, *,
            compile_one: Callable[[str, Plan], MeasuredProgram] | None = None,
-           completion_s: float | None = None,
-           progress: Callable[[str], Any] | None = None) -> Plan:
+           completion_s: float | None = None) -> Plan:
     """The searched `plan` of the job's step judged as compiled (see the module): the plan
     kept. `compile_one(name, plan)` compiles and prices a candidate instead of compiling it in
     full (shardplan.planning.depth: from shallower copies of a deep step); `completion_s`:
     the seconds each expert plan's completion by the ILP gets (default: what remains of the
-    job's deadline); `progress(text)` is told each compile."""
+    job's deadline). The job's progress is told each compile and re-plan."""
     o, budget = job.options, job.options.memory_budget
     if plan.stages or not (o.measure or checks_memory(job)):
         return plan
@@ -97,23 +96,28 @@ def select(job: Job, plan: Plan, *,
     dtype = compute_dtype(graph)
     widening = liveness.cpu_widening(graph) if targets.widens(mesh, job.hw) else 1.0
     compile_s = 0.0  # one compile's time: a re-plan leaves time for its own
+    counts = {"compiled": 0, "planned": 0, "total": None}
 
     def run(name: str, p: Plan) -> MeasuredProgram:
-        if progress is not None:
-            progress(f"compiling and pricing the {name} plan")
-        if p.remat:  # MaxText's configuration: the rematerialized step
-            return remat.compile_as_run(job, name, p, mesh, compile_one, widening)
-        if compile_one is not None:
-            return compile_one(name, p)
-        return compiled.measure(graph, job.traced, p, mesh, job.hw, name, job.donated_args,
-                                dtype, widening)
+        counts["compiled"] += 1
+        which = (counts["compiled"], counts["total"]) if counts["total"] else ()
+        with progress.phase(job.progress, f"compiling and pricing the {name} plan", *which):
+            if p.remat:  # MaxText's configuration: the rematerialized step
+                return remat.compile_as_run(job, name, p, mesh, compile_one, widening)
+            if compile_one is not None:
+                return compile_one(name, p)
+            return compiled.measure(graph, job.traced, p, mesh, job.hw, name,
+                                    job.donated_args, dtype, widening)
 
     def replan(ilp_budget: float) -> Plan:
         # the re-plan and the compile of its plan end by the time limit
         left = job.deadline.limit_s - job.deadline.elapsed() - compile_s
         if left <= 0:
             raise SearchTimeout(o.time_limit, "no time left to re-plan and compile")
-        with warnings.catch_warnings():  # the first plan has warned about the same graph
+        counts["planned"] += 1
+        with (warnings.catch_warnings(),  # the first plan has warned about the same graph
+              progress.phase(job.progress, f"re-planning under {fmt_bytes(ilp_budget)}",
+                             counts["planned"], RECALIBRATIONS)):
             warnings.simplefilter("ignore")
             return plan_graph(job, ilp_budget=ilp_budget, deadline=Deadline(left, grace=0.0))[0]
 
@@ -121,7 +125,10 @@ def select(job: Job, plan: Plan, *,
     compile_s = time.perf_counter() - start
     stopped = recalibrate(candidates, run, budget, replan)
     if o.measure:
-        for name, p in expert_plans(job, plan, deadline=completion_s).items():
+        with progress.phase(job.progress, "the expert plans, completed by the ILP"):
+            experts = expert_plans(job, plan, deadline=completion_s)
+        counts["total"] = len(candidates) + len(experts)
+        for name, p in experts.items():
             candidates.append(run(name, p))
     judge = compiler.describe()
     priced = [c for c in candidates if c.priced is not None]

@@ -220,7 +220,7 @@ def solve(inp: SolverInput):
         lazy[model.budget_rows] = True
         lp = relaxation.solve_lazily(obj, lb, ub, matrix, rlo, rhi, lazy, inp.solver,
                                      inp.remaining)
-        _tell(inp, "LP relaxation", None, lp.fun if lp.status == 0 else None)
+        _tell_lp(inp, lp, num_x)
         found = _within_budget(inp, lp, lambda keep: run(options, keep), obj, num_x,
                                model.num_01, choice_of)
         if found is not None:
@@ -228,7 +228,7 @@ def solve(inp: SolverInput):
     elif not inp.memory_rows and not inp.memory_base:
         lp = _relaxation(inp, obj, lb, ub, matrix, rlo, rhi)
         lp = lp if lp.status == 0 else None
-        _tell(inp, "LP relaxation", None, None if lp is None else lp.fun)
+        _tell_lp(inp, lp, num_x)
         if lp is not None and np.all(np.minimum(lp.x[:num_x], 1 - lp.x[:num_x]) <= INTEGRAL):
             return "optimal", choice_of(lp.x)
         if inp.remaining() <= 0:
@@ -262,6 +262,15 @@ def _tell(inp: SolverInput, what: str, incumbent, bound) -> None:
     seconds = [None if v is None or not np.isfinite(v) else float(v) / unit
                for v in (incumbent, bound)]
     inp.solver.progress.solver(progress.SolverUpdate("HiGHS", what, *seconds))
+
+
+def _tell_lp(inp: SolverInput, lp, num_x: int) -> None:
+    """The LP relaxation's bound told, and its solution as the incumbent where its choices
+    are integral (then a plan, and the MIP's optimum)."""
+    if lp is None or lp.status != 0:
+        return
+    integral = np.all(np.minimum(lp.x[:num_x], 1 - lp.x[:num_x]) <= INTEGRAL)
+    _tell(inp, "LP relaxation", lp.fun if integral else None, lp.fun)
 
 
 def _relaxation(inp: SolverInput, obj, lb, ub, matrix, rlo, rhi) -> relaxation.Relaxation:
