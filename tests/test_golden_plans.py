@@ -5,6 +5,7 @@ work, not the wall clock, so the verdict is the same at any load."""
 
 import json
 
+import jax
 import pytest
 
 from tests import golden_plans
@@ -12,6 +13,9 @@ from tests import golden_plans
 CASES = [(model, mesh) for model in golden_plans.MODELS for mesh in sorted(golden_plans.MESHES)]
 
 
+@pytest.mark.skipif(jax.__version__ != golden_plans.JAX,
+                    reason=f"the goldens are planned with jax {golden_plans.JAX}: another jax's "
+                           "graphs break ties among layouts of equal cost differently")
 @pytest.mark.parametrize(("model", "mesh"), CASES, ids=[f"{m}-{n}" for m, n in CASES])
 def test_plan_matches_golden(model, mesh):
     want = json.loads(golden_plans.path(model, mesh).read_text())
