@@ -11,13 +11,13 @@ from shardplan import timeline
 from shardplan.plan import Plan
 from shardplan.report import (
     Run,
-    StepCall,
     cost_by_layer,
     memory_rows,
     mesh_str,
     model_estimate,
     report_markdown,
 )
+from shardplan.report_snippet import StepCall
 from shardplan.units import fmt_bytes
 
 
