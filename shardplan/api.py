@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from shardplan import _compat, distributed, gcpause, progress_display
+from shardplan import adopt as adopt_mod
 from shardplan import cache as cache_mod
 from shardplan import fingerprint as fingerprint_mod
 from shardplan import hints as hints_mod
@@ -23,11 +24,11 @@ from shardplan.emit import spmd as spmd_mod
 from shardplan.emit.jit import emit_jit
 from shardplan.emit.pipeline import emit_pipeline
 from shardplan.ir.lift import lift
-from shardplan.ir.trace import TracedStep, abstractify, trace
+from shardplan.ir.trace import abstractify, trace
 from shardplan.options import DEFAULTS, SearchOptions, path_str
 from shardplan.plan import Plan
 from shardplan.plan_file import load_plan
-from shardplan.planning import accumulation, driver
+from shardplan.planning import driver
 from shardplan.planning.job import Job
 from shardplan.strategies.coverage import Coverage
 from shardplan.strategies.coverage import coverage as coverage_of
@@ -207,7 +208,8 @@ class AutoStep:
                 return self._emit_mpmd(plan, pp, fp)
             if plan.pipeline_kind == "spmd":
                 return self._emit_spmd(plan, fp)
-            plan, graph = _adopt(plan, traced, mesh, self.fn, args, o)  # as process 0 chose
+            # one program, as process 0 chose
+            plan, graph = adopt_mod.adopt(plan, traced, mesh, self.fn, args, o)
         elif self._given_plan is None and o.pipeline is not False:
             # An SPMD pipeline plan is one program's plan: cached like one (an MPMD plan is
             # rebuilt by the pipeline planner, which its JSON cannot stand in for).
@@ -240,13 +242,12 @@ class AutoStep:
             def obtain():
                 if self._given_plan is not None:
                     return self._given_plan
-                return cache_mod.cached(self.plan_cache, step_fp,
-                                        lambda: driver.plan_program(job(o1)),
-                                        check=lambda p: _check_cached(p, traced, mesh, self.fn,
-                                                                       args, o1))
+                return cache_mod.cached(
+                    self.plan_cache, step_fp, lambda: driver.plan_program(job(o1)),
+                    check=lambda p: adopt_mod.check_cached(p, traced, mesh, self.fn, args, o1))
 
             plan = distributed.plan_once(step_fp, obtain, broadcast=self._given_plan is None)
-            plan, graph = _adopt(plan, traced, mesh, self.fn, args, o)
+            plan, graph = adopt_mod.adopt(plan, traced, mesh, self.fn, args, o)
         if self._given_plan is None:
             plan = dataclasses.replace(plan, fingerprint=fp)
         jitted, in_shardings, _ = emit_jit(graph, mesh, traced.in_tree, traced.out_tree,
@@ -309,84 +310,6 @@ def _check_live(args, name: str) -> None:
                              "(donate_argnums) or deleted. Pass what the step returned in its "
                              "place, e.g. params, opt_state, loss = step(params, opt_state, "
                              "batch)")
-
-
-def _adopt(plan: Plan, traced: TracedStep, mesh, fn, args, options: SearchOptions):
-    """The given plan checked against the step it is to run: (the plan on `mesh`, the graph).
-    A different function only warns (the user may have edited it in a way that keeps the
-    plan valid); different inputs or another mesh raise, as do specs that cannot apply."""
-    step = accumulation.step_for(plan, traced, fn, args, options)
-    graph = lift(step.closed_jaxpr, step.arg_info)
-    again = "plan the step again (shardplan.auto without plan=, or shardplan.search)"
-    actual = MeshShape.of(mesh)
-    if tuple(plan.mesh.names) != tuple(actual.names) or tuple(plan.mesh.sizes) != tuple(actual.sizes):
-        raise ValueError(f"the given plan is for mesh {_mesh_text(plan.mesh)}, this mesh is "
-                         f"{_mesh_text(actual)}: use a mesh with the plan's axis names and sizes, "
-                         f"or {again}")
-    if plan.stages:
-        raise ValueError("the given plan is a pipeline plan: running a saved pipeline plan is "
-                         f"not supported; {again} with pipeline=...")
-    if len(plan.input_specs) != len(graph.inputs) or len(plan.output_specs) != len(graph.outputs):
-        raise ValueError("the given plan was made for a step with "
-                         f"{len(plan.input_specs)} inputs and {len(plan.output_specs)} outputs, "
-                         f"this one has {len(graph.inputs)} and {len(graph.outputs)}: {again}")
-    if plan.fingerprint is not None:
-        mine = fingerprint_mod.of_step(traced, actual)
-        if mine.inputs != plan.fingerprint.inputs:
-            raise ValueError("the given plan was made for other inputs (their pytree, shapes or "
-                             f"dtypes differ from this call's): {again}")
-        if mine.function != plan.fingerprint.function:
-            again = f"the plan was made for a different function: {again}"
-            _compat.warn_at_caller("shardplan: the given plan was made for a different function "
-                                   "(its jaxpr differs); it is run as it is, but plan again if "
-                                   "the step's operations changed")
-    values = [(f"input {n}", s, graph.value(v)) for n, s, v in
-              zip(plan.input_names, plan.input_specs, graph.inputs)]
-    values += [(f"output {n}", s, graph.value(v)) for n, s, v in
-               zip(plan.output_names, plan.output_specs, graph.outputs)]
-    ids = {v.id for v in graph.values}
-    nodes = {n.id: n for n in graph.nodes}
-    for vid, spec in plan.constraints.items():
-        if vid not in ids:
-            raise ValueError(f"the given plan constrains value {vid}, which this step's graph "
-                             f"does not have: {again}")
-        values.append((f"constrained value {vid}", spec, graph.value(vid)))
-    for (nid, index), route in plan.operand_specs.items():
-        node = nodes.get(nid)
-        if node is None or not 0 <= index < len(node.inputs):
-            raise ValueError(f"the given plan reshards operand {index} of node {nid}, which this "
-                             f"step's graph does not have: {again}")
-        values += [(f"operand {index} of node {nid}", s, graph.value(node.inputs[index]))
-                   for s in route]
-    for what, spec, value in values:
-        if spec.ndim != value.ndim:
-            raise ValueError(f"the given plan's spec {spec.to_partition_spec()} for {what} has "
-                             f"{spec.ndim} dimensions, the value has {value.ndim} "
-                             f"(shape {value.shape}): {again}")
-        unknown = sorted(set(spec.used_axes()) - set(actual.names))
-        if unknown:
-            raise ValueError(f"the given plan's spec for {what} uses mesh axes {unknown}, not in "
-                             f"the mesh's {list(actual.names)}: {again}")
-    return dataclasses.replace(plan, in_tree=traced.in_tree, out_tree=traced.out_tree,
-                               device_mesh=mesh), graph
-
-
-def _check_cached(plan: Plan, traced: TracedStep, mesh, fn, args,
-                  options: SearchOptions) -> None:
-    """ValueError unless a cached plan applies to the step as a given one must (_adopt), with
-    every input and output spec dividing its value: else the cache ignores the entry
-    (tests/test_cache_hardening.py)."""
-    _, graph = _adopt(plan, traced, mesh, fn, args, options)
-    shape = MeshShape.of(mesh)
-    for spec, v in zip((*plan.input_specs, *plan.output_specs), (*graph.inputs, *graph.outputs)):
-        value = graph.value(v)
-        if not spec.valid_for(value.shape, shape):
-            raise ValueError(f"the spec {spec.to_partition_spec()} does not divide a value of "
-                             f"shape {value.shape} on mesh {_mesh_text(shape)}")
-
-
-def _mesh_text(m: MeshShape) -> str:
-    return " x ".join(f"{n}={k}" for n, k in zip(m.names, m.sizes))
 
 
 def auto(fn=None, *, mesh=None, hardware: str | HardwareProfile | None = None,

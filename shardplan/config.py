@@ -158,8 +158,7 @@ class ClusterSection(_Section):
 
 
 class SearchSection(_Section):
-    """How to search: the fields of shardplan.options.SearchOptions (defaults from there, but
-    for pipeline, num_micro_batches and measure, which the CLI sets otherwise)."""
+    """How to search: SearchOptions' fields (defaults from there, but the CLI's own below)."""
 
     pipeline: bool | Literal["auto", "spmd", "mpmd"] = "auto"
     """Split into pipeline stages: auto (where the cost model says they pay), true (always: an
@@ -180,12 +179,10 @@ class SearchSection(_Section):
     auto (only where no plan of the step as written fits the memory budget), true, false; see
     shardplan.SearchOptions.remat."""
     grad_accumulation: Annotated[int, Field(ge=1)] | Literal["auto"] = DEFAULTS.grad_accumulation
-    """Run the step as this many micro-batches, their gradients summed before one update: auto
-    (only where no plan of the whole batch fits the memory budget, the fewest that fit) or a
-    count (1: never); see shardplan.SearchOptions.grad_accumulation."""
+    """Micro-batches whose gradients are summed before one update: auto or a count (1: never);
+    see shardplan.SearchOptions.grad_accumulation."""
     model_constraints: Literal["hint", "ignore"] = DEFAULTS.model_constraints
-    """The model's own sharding constraints: hint (held, priced) or ignore (laid out by the
-    planner); see shardplan.SearchOptions.model_constraints."""
+    """The model's own sharding constraints: hint or ignore (SearchOptions.model_constraints)."""
     measure: bool = True
     """Compile the searched plan and the expert plans with XLA on CPU devices, price each
     with the cluster's profile and keep the cheapest that fits (meshes of at most 64

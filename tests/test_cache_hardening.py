@@ -51,6 +51,7 @@ NOT_IN_KEY = {
     "plan": "a given plan is run as it is: nothing is planned or cached",
     "cache": "where plans are kept, not what they are",
     "options": "a SearchOptions: each of its fields is checked through OPTION_VARIANTS",
+    "progress": "how planning is shown, not what it plans (tests/test_progress.py: the same plan with and without a reporter)",
     "search_options": "the fields of SearchOptions by keyword: checked as options",
 }
 
