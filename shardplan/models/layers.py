@@ -160,8 +160,9 @@ class Attention(nn.Module):
         else:
             q = _dense(c, h, "query")(x).reshape(b, t, n, d)
             kv = c.kv_heads
-            k, v = (jnp.repeat(_dense(c, kv * d, nm)(x).reshape(b, t, kv, d), n // kv, axis=2)
-                    for nm in ("key", "value"))
+            k, v = (_dense(c, kv * d, nm)(x).reshape(b, t, kv, d) for nm in ("key", "value"))
+            if kv < n:  # grouped-query attention: each key/value head serves n // kv queries
+                k, v = (jnp.repeat(y, n // kv, axis=2) for y in (k, v))
         if c.position == "rope":
             q, k = rotary(q), rotary(k)
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) / math.sqrt(d)
@@ -328,4 +329,4 @@ def aux_loss(state) -> jax.Array:
     """Sum of the MoE auxiliary losses sown into the `intermediates` collection (a scan's
     stacked on its layer dimension)."""
     leaves = jax.tree.leaves(state.get("intermediates", {}))
-    return sum((jnp.sum(x) for x in leaves), jnp.zeros((), jnp.float32))
+    return sum((jnp.sum(x) if x.ndim else x for x in leaves), jnp.zeros((), jnp.float32))
