@@ -83,3 +83,21 @@ def test_grad_accumulation_is_checked_when_made():
         shardplan.SearchOptions(grad_accumulation=0)
     with pytest.raises(ValueError, match="pipeline"):
         shardplan.SearchOptions(grad_accumulation=2, pipeline=True)
+
+
+def test_the_step_as_a_whole_is_bounded_at_once_where_a_rematerialized_step_follows(
+        monkeypatch):
+    """remat='auto': the step as written is only bounded when it does not fit (its least
+    memory is searched for only where nothing else is left to plan: the search took the
+    whole time limit of a Llama 7B on 16 chips, benchmarks/plan_at_size.py)."""
+    from shardplan.intra.solve import least_memory
+    from tests.test_remat import BUDGET, mlp_args, mlp_step
+
+    real, calls = least_memory.least, []
+    monkeypatch.setattr(least_memory, "least", lambda inp: calls.append(1) or real(inp))
+    kw = {"cluster": "cpu-8", "time_limit": 20, "deterministic": True, "memory_budget": BUDGET}
+    plan = shardplan.search(mlp_step, *mlp_args(), **kw)  # remat="auto"
+    assert plan.remat and plan.fits() and not calls
+    with pytest.raises(shardplan.InfeasibleMemory) as e:
+        shardplan.search(mlp_step, *mlp_args(), remat=False, **kw)
+    assert calls and e.value.exact  # nothing else to plan: the least is searched for

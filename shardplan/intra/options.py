@@ -18,19 +18,21 @@ def intra_options(options: SearchOptions, memory_budget: float | None = None,
                   donated: frozenset[int] | None = None,
                   combine_gradients: bool | None = None,
                   compiler: str = IntraOptions.compiler,
-                  progress: progress_mod.Reporter = progress_mod.SILENT) -> IntraOptions:
+                  progress: progress_mod.Reporter = progress_mod.SILENT,
+                  least_memory: bool = True) -> IntraOptions:
     """IntraOptions with the solver settings of `options` and `memory_budget` (the ILP's
     budget, which the measured selection may tighten below the search's); `fixed_inputs` are
     the inputs the options' hints pin (shardplan.intra.hints.fixed_inputs); the wall clock the
     whole search ends by (dropped where the options limit solves by their work), and the flat
     inputs the compiled step donates (None: its state); `combine_gradients`: IntraOptions'
     (None: its default); `compiler`: the target's HardwareProfile.backend, whose buffer rules
-    the memory model follows; `progress`: told the solves' phases and bounds."""
+    the memory model follows; `progress`: told the solves' phases and bounds; `least_memory`:
+    IntraOptions'."""
     solver = SolverSettings.of(options, progress)
     return IntraOptions(memory_budget=memory_budget, solver=solver,
                         fixed_inputs=dict(fixed_inputs or {}),
                         deadline=None if solver.deterministic else deadline,
                         donated=donated, memory_margin=MARGIN, compiler=compiler,
-                        model_constraints=options.model_constraints,
+                        model_constraints=options.model_constraints, least_memory=least_memory,
                         combine_gradients=(IntraOptions.combine_gradients
                                            if combine_gradients is None else combine_gradients))

@@ -441,6 +441,7 @@ class Problem:
                                memory_base=base,
                                copies=copies, row_copies=row_copies,
                                deadline=self.options.deadline,
-                               implications=tuple(hub_rows + loss_rows))
+                               implications=tuple(hub_rows + loss_rows),
+                               least_memory=self.options.least_memory)
 
 

@@ -102,6 +102,10 @@ class IntraOptions:
     # The model's own sharding constraints: "hint" (held, priced) or "ignore"
     # (SearchOptions.model_constraints; intra/hints.py model_pins).
     model_constraints: str = DEFAULTS.model_constraints
+    # Where no plan fits: search for the least memory any plan needs (InfeasibleMemory exact),
+    # or only bound it from below at once, for a caller with another step to plan (the
+    # driver's step as a whole, before its rematerialized or accumulated step).
+    least_memory: bool = True
     # Flat input index -> the spec it must have (user-pinned shardings, or a baseline to price).
     fixed_inputs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
     # Also solve with each expert plan's input specs pinned and keep the cheapest.

@@ -10,6 +10,7 @@ judged as compiled with measure."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 from shardplan import _compat, progress
@@ -38,11 +39,11 @@ def plan_program(job: Job) -> Plan:
                                    f"grad_accumulation={m}")
     if o.memory_budget is None:
         return with_remat(job)
-    first, error, caught = _attempt(with_remat, job)
+    ms, why_not = accumulation.choices(job)
+    first, error, caught = _attempt(with_remat, job.replace(least_memory=not ms))
     if first is not None and first.fits() is not False:
         _rewarn(caught)
         return first
-    ms, why_not = accumulation.choices(job)
     tried = []
     for i, k in enumerate(ms):
         with progress.phase(job.progress, f"gradients accumulated over {k} micro-batches",
@@ -62,7 +63,7 @@ def plan_program(job: Job) -> Plan:
     if not least:  # no candidate has a plan within the budget: the least any needs
         _rewarn(caught)
         k, least_error = min([(1, error), *((k, e) for k, _, e, _ in tried)],
-                             key=lambda t: t[1].min_bytes)
+                             key=lambda t: _least_found(t[1]))
         if tried:
             least_error.add_note(
                 f"shardplan: planned as a whole and with the gradients accumulated over "
@@ -99,7 +100,8 @@ def with_remat(job: Job) -> Plan:
                                "differentiated scan whose residuals the backward pass reads); "
                                "the step is planned as written")
         return remat.marked(judged(job.replace(traced=rewritten)), rewritten, "remat=True")
-    first, error, caught = _attempt(judged, job)
+    first, error, caught = _attempt(judged, job if rewritten is None
+                                    else job.replace(least_memory=False))
     if (first is not None and first.fits() is not False) or rewritten is None:
         _rewarn(caught)
         if error is not None:
@@ -159,6 +161,12 @@ def choose_program(job: Job) -> Choice:
     mesh = job.device_mesh if job.device_mesh is not None else job.mesh
     choice = choose(job.fn, job.args, mesh, job.hw, job.options, traced=job.traced)
     return select.select_choice(job, choice)
+
+
+def _least_found(e: InfeasibleMemory) -> float:
+    """The least memory a plan found needs (exact, or the least found by a search that ran out
+    or was not made), else the lower bound."""
+    return e.found_bytes if math.isfinite(e.found_bytes) else e.min_bytes
 
 
 def _attempt(plan_fn, job: Job):

@@ -44,6 +44,9 @@ class Job:
     fn: Callable | None = None
     args: tuple | None = None
     progress: progress_mod.Reporter = progress_mod.SILENT
+    least_memory: bool = True
+    """Where no plan fits: search for the least memory any plan needs (the error's exact
+    figure), or only bound it at once (the driver, with another step still to plan)."""
 
     @classmethod
     def make(cls, traced: TracedStep, mesh: MeshShape, hw: HardwareProfile,

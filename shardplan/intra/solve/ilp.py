@@ -54,8 +54,7 @@ def solve(inp: SolverInput) -> Solution:
         # Below what every node at its smallest holds: no plan fits, said without a search
         # (tests/test_intra_memory.py::
         # test_a_budget_below_every_nodes_smallest_is_infeasible_without_a_search)
-        value, exact, least = least_memory.least(inp)
-        raise InfeasibleMemory(budget, value, exact, found_bytes=least)
+        raise _infeasible(inp)
     if budget is not None and (inp.deadline is not None or inp.solver.deterministic):
         fits = _fallbacks(inp)
     kept = fits == []
@@ -82,8 +81,7 @@ def solve(inp: SolverInput) -> Solution:
                                 else "MIP (HiGHS)", rounds if lazy else None):
                 found = _solve_rows(reduced.inp)
         except _Infeasible:
-            value, exact, least = least_memory.least(whole)
-            raise InfeasibleMemory(budget, value, exact, found_bytes=least) from None
+            raise _infeasible(whole) from None
         if found is None:
             break
         choice = reduced.expand(found.choice)
@@ -104,6 +102,19 @@ def solve(inp: SolverInput) -> Solution:
         return found
     limit = inp.deadline.limit_s if inp.deadline is not None else inp.solver.time_limit
     raise SearchTimeout(limit, "the ILP found no plan that fits within its time limit")
+
+
+def _infeasible(inp: SolverInput) -> InfeasibleMemory:
+    """No plan fits: the least memory any needs, searched for, or (inp.least_memory False)
+    bounded at once by what every node holds at its smallest, with the greedy choices' least
+    as a plan found (tests/test_planning_driver.py::
+    test_the_step_as_a_whole_is_bounded_at_once_where_a_rematerialized_step_follows)."""
+    if inp.least_memory:
+        value, exact, least = least_memory.least(inp)
+    else:
+        value, exact = rows.simple_bound(inp), False
+        least = min(types.evaluate(inp, c)[1] for c in greedy.choices(inp))
+    return InfeasibleMemory(inp.memory_budget, value, exact, found_bytes=least)
 
 
 def without_memory(inp: SolverInput) -> SolverInput:

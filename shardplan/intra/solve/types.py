@@ -84,6 +84,9 @@ class SolverInput:
     row_copies: tuple[tuple[int, ...], ...] = ()
     deadline: Deadline | None = None
     implications: tuple[Implication, ...] = ()
+    least_memory: bool = True
+    """Where no plan fits: search for the least memory (least_memory.least), or bound it at
+    once (rows.simple_bound; the greedy choices' least found)."""
 
     def remaining(self) -> float:
         return self.deadline.remaining() if self.deadline is not None else float("inf")
