@@ -29,6 +29,10 @@ def choices(job: Job) -> tuple[list[int], str]:
             job.fn, job.args, state_argnums=o.state_argnums, batch_argnums=o.batch_argnums)
     except accumulate.AccumulationError as e:
         return [], str(e)
+    except Exception as e:  # noqa: BLE001 - a probe of the step: it is planned as a whole
+        # (notebooks/02: a step whose gradient is jax.value_and_grad, traced again for the
+        # split, fails inside the user's code)
+        return [], f"the step could not be cut at its gradient ({type(e).__name__}: {e})"
     if reduction != "mean":
         return [], ("its loss is not seen to be a mean over the batch (or its gradient is not "
                     "taken with shardplan.value_and_grad); pass grad_accumulation=M to "
