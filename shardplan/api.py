@@ -239,14 +239,22 @@ class AutoStep:
             step_fp = fingerprint_mod.step_fingerprint(traced, mesh, hw, o1,
                                                        donate_argnums=self.donate_argnums)
 
-            def obtain():
+            def obtain() -> Plan:
                 if self._given_plan is not None:
                     return self._given_plan
-                return cache_mod.cached(
-                    self.plan_cache, step_fp, lambda: driver.plan_program(job(o1)),
-                    check=lambda p: adopt_mod.check_cached(p, traced, mesh, self.fn, args, o1))
+                cache = cache_mod.PlanCache.of(self.plan_cache)
+                plan = None if cache is None else cache.lookup(
+                    step_fp, check=lambda p: adopt_mod.check_cached(p, traced, mesh, self.fn,
+                                                                    args, o1))
+                if plan is None:
+                    plan = driver.plan_program(job(o1))
+                    if cache is not None:
+                        cache.store(step_fp, plan)
+                return plan
 
-            plan = distributed.plan_once(step_fp, obtain, broadcast=self._given_plan is None)
+            # several processes: planned by process 0 (or each, given a plan) and compared
+            plan = (distributed.plan_once(step_fp, obtain, broadcast=self._given_plan is None)
+                    if multi else obtain())
             plan, graph = adopt_mod.adopt(plan, traced, mesh, self.fn, args, o)
         if self._given_plan is None:
             plan = dataclasses.replace(plan, fingerprint=fp)

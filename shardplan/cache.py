@@ -162,29 +162,18 @@ class PlanCache:
             return False
         return True
 
-    def get_or_plan(self, fingerprint: str, plan_fn: Callable[[], Plan],
-                    check: Callable[[Plan], object] | None = None) -> Plan:
-        """The cached plan of `fingerprint`, else `plan_fn()` stored under it. `check(plan)`
-        raising ValueError says a cached plan does not apply to the step: the entry is then
-        ignored with a warning and replaced."""
+    def lookup(self, fingerprint: str,
+               check: Callable[[Plan], object] | None = None) -> Plan | None:
+        """The cached plan of `fingerprint`, or None. `check(plan)` raising ValueError says a
+        cached plan does not apply to the step: the entry is then discarded with a warning
+        (the caller plans and stores the plan that replaces it)."""
         plan = self.load(fingerprint)
         if plan is not None and check is not None:
             try:
                 check(plan)
             except ValueError as e:
                 plan = self.discard(fingerprint, f"its plan does not apply to this step ({e})")
-        if plan is None:
-            plan = plan_fn()
-            self.store(fingerprint, plan)
         return plan
-
-
-def cached(option, fingerprint: str, plan_fn: Callable[[], Plan],
-           check: Callable[[Plan], object] | None = None) -> Plan:
-    """`plan_fn()` through the cache an `auto(cache=...)` option names (no cache: just
-    `plan_fn()`); `check` as PlanCache.get_or_plan takes it."""
-    cache = PlanCache.of(option)
-    return plan_fn() if cache is None else cache.get_or_plan(fingerprint, plan_fn, check)
 
 
 def _warn_unsafe(message: str) -> None:

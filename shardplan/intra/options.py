@@ -12,7 +12,7 @@ from shardplan.strategies.spec import ShardSpec
 from shardplan.units import Deadline
 
 
-def intra_options(options: SearchOptions, memory_budget: float | None = None,
+def intra_options(options: SearchOptions,
                   fixed_inputs: Mapping[int, ShardSpec] | None = None, *,
                   deadline: Deadline | None = None,
                   donated: frozenset[int] | None = None,
@@ -20,8 +20,8 @@ def intra_options(options: SearchOptions, memory_budget: float | None = None,
                   compiler: str = IntraOptions.compiler,
                   progress: progress_mod.Reporter = progress_mod.SILENT,
                   least_memory: bool = True) -> IntraOptions:
-    """IntraOptions with the solver settings of `options` and `memory_budget` (the ILP's
-    budget, which the measured selection may tighten below the search's); `fixed_inputs` are
+    """IntraOptions with the solver settings of `options` (its memory budget is not one of
+    them: plan_intra takes the ILP's budget as an argument); `fixed_inputs` are
     the inputs the options' hints pin (shardplan.intra.hints.fixed_inputs); the wall clock the
     whole search ends by (dropped where the options limit solves by their work), and the flat
     inputs the compiled step donates (None: its state); `combine_gradients`: IntraOptions'
@@ -29,7 +29,7 @@ def intra_options(options: SearchOptions, memory_budget: float | None = None,
     the memory model follows; `progress`: told the solves' phases and bounds; `least_memory`:
     IntraOptions'."""
     solver = SolverSettings.of(options, progress)
-    return IntraOptions(memory_budget=memory_budget, solver=solver,
+    return IntraOptions(solver=solver,
                         fixed_inputs=dict(fixed_inputs or {}),
                         deadline=None if solver.deterministic else deadline,
                         donated=donated, memory_margin=MARGIN, compiler=compiler,

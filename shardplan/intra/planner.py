@@ -169,8 +169,10 @@ def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOp
 
 
 def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
-               options: IntraOptions | None = None) -> IntraPlan:
-    """Choose a strategy for every node and a spec for every input of `graph` on `mesh`."""
+               options: IntraOptions | None = None,
+               memory_budget: float | None = None) -> IntraPlan:
+    """Choose a strategy for every node and a spec for every input of `graph` on `mesh`, the
+    estimated peak per device within `memory_budget` (bytes; None: unbounded)."""
     start = time.perf_counter()
     options = options or IntraOptions()
     covered = coverage_mod.coverage(graph)
@@ -180,16 +182,16 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
                                "replicated")
     with progress.phase(options.solver.progress, "strategies and costs"):
         problem = Problem(graph, mesh, cost, options)
-        inp = problem.solver_input()
+        inp = problem.solver_input(memory_budget)
     try:
         solution, notes = _solve_with_seeds(problem, inp, options)
     except types.InfeasibleMemory as e:
         if not options.memory_margin:
             raise
-        raise types.InfeasibleMemory(options.memory_budget, e.min_bytes, e.exact,
+        raise types.InfeasibleMemory(memory_budget, e.min_bytes, e.exact,
                                    margin=options.memory_margin,
                                    found_bytes=e.found_bytes) from None
-    if options.memory_budget is not None and options.memory_margin:
+    if memory_budget is not None and options.memory_margin:
         notes.append(f"the memory estimate counts the step's activations with a margin of "
                      f"{options.memory_margin:.0%} for what the memory model does not see of "
                      "XLA's buffers (its inputs and outputs exactly)")

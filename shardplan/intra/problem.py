@@ -411,8 +411,9 @@ class Problem:
                                                   self.options.compiler)
         return self.__dict__["_memory"]
 
-    def solver_input(self) -> types.SolverInput:
-        """The ILP over representatives: tied roots add their costs to their representative."""
+    def solver_input(self, budget: float | None = None) -> types.SolverInput:
+        """The ILP over representatives: tied roots add their costs to their representative;
+        with `budget` (bytes per device), the memory model's rows held to it."""
         unary, edges = self.edges_and_unary()
         costs = [np.zeros(len(self.strategies[r])) for r in self.reps]
         for r in self.roots:
@@ -429,7 +430,6 @@ class Problem:
                                                             len(costs) + len(hub_costs))
         node_costs = tuple(costs + hub_costs + loss_costs)
         edge_list = tuple((a, b, m) for (a, b), m in sorted({**merged, **loss_edges}.items()))
-        budget = self.options.memory_budget
         base = rows = copies = row_copies = ()
         if budget is not None:
             memory = self.memory()

@@ -61,7 +61,6 @@ class SolverSettings:
 
 @dataclasses.dataclass(frozen=True)
 class IntraOptions:
-    memory_budget: float | None = None
     # time limit, solver seed, threads, deterministic limits: SearchOptions' (intra/options.py)
     solver: SolverSettings = SolverSettings()
     # The memory model counts the step's activations (1 + memory_margin) times: what it does

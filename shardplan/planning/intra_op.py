@@ -34,9 +34,9 @@ def plan_graph(job: Job, *, ilp_budget: float | None = None, deadline: Deadline 
     budget = options.memory_budget if ilp_budget is None else ilp_budget
     fixed = {**(fixed_inputs or {}), **job.pinned}
     intra = plan_intra(graph, job.mesh, cost, intra_options(
-        options, budget, fixed, deadline=deadline or job.deadline, donated=job.donated,
+        options, fixed, deadline=deadline or job.deadline, donated=job.donated,
         combine_gradients=combine_gradients, compiler=job.hw.backend, progress=job.progress,
-        least_memory=job.least_memory))
+        least_memory=job.least_memory), budget)
     ops = tuple(op_rows(graph, cost, intra))
     plan = Plan(
         mesh=job.mesh, hardware=job.hw.name,
