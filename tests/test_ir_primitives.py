@@ -296,3 +296,35 @@ def test_every_primitive_of_the_zoo_has_an_entry(zoo_primitives):
     assert {"dot_general", "conv_general_dilated", "random_bits"} <= set(zoo_primitives)
     missing = {p: sorted(m) for p, m in zoo_primitives.items() if p not in primitives.PRIMITIVES}
     assert not missing, f"no entry in shardplan/ir/primitives.py for {missing}"
+
+
+def test_the_tables_call_entries_say_how_their_body_runs():
+    """The lifter inlines the "call" family; the interpreter enters a call, runs it under
+    jax.checkpoint (remat2, jax.checkpoint's primitive) or binds it whole (a custom derivative)
+    as the table's `call` says, and no other primitive has a `call`."""
+    from shardplan.ir import lift as lift_mod
+
+    for name, entry in primitives.PRIMITIVES.items():
+        assert (entry.call in ("inline", "checkpoint", "whole")) == (entry.family == "call"), name
+    assert lift_mod.CALLS == {n for n, i in primitives.PRIMITIVES.items() if i.family == "call"}
+
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    f.defjvp(lambda p, t: (f(p[0]), jnp.cos(p[0]) * t[0]))
+    jaxpr = jax.make_jaxpr(lambda x: jax.checkpoint(jnp.tanh)(x) + f(x) + jax.jit(jnp.exp)(x))(
+        jnp.ones(3))
+    calls = {e.primitive.name: primitives.info(e.primitive.name).call for e in jaxpr.eqns
+             if primitives.info(e.primitive.name).family == "call"}
+    assert sorted(calls.values()) == ["checkpoint", "inline", "whole"], calls
+
+
+def test_marked_facts_sit_on_entries_of_the_table():
+    """duplicated, reduction and reduced_whole are fields of the entries they describe."""
+    assert primitives.info("reduce_sum").reduction and primitives.info("argmax").reduction
+    assert not primitives.info("dot_general").reduction
+    assert primitives.info("broadcast_in_dim").duplicated and not primitives.info("exp").duplicated
+    assert primitives.info("scatter-add").reduced_whole
+    with pytest.raises(ValueError, match="no entry to mark"):
+        primitives._marked({}, "made_up_primitive", duplicated=True)

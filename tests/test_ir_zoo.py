@@ -16,7 +16,7 @@ def count_equations(jaxpr) -> int:
     """Equations after inlining call-like primitives, counted independently of lift()."""
     n = 0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in lift_mod.INLINE:
+        if eqn.primitive.name in lift_mod.CALLS:
             subs = [v for k, v in eqn.params.items()
                     if k in ("jaxpr", "call_jaxpr", "fun_jaxpr") and _compat.is_jaxpr(v)]
             n += count_equations(_compat.open_jaxpr(subs[0])[0])

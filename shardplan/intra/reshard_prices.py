@@ -10,14 +10,9 @@ import functools
 from collections.abc import Callable, Mapping
 
 from shardplan.cost.model import AlphaBetaCost
+from shardplan.ir import primitives
 from shardplan.ir.graph import Graph, Value
 from shardplan.strategies.spec import MeshShape, ShardSpec
-
-# Ops whose partial sums XLA reduces whole, in the layout the op made them, before slicing
-# them for a reader that splits them further: the slice cannot move into the op (BERT's tied
-# embedding gradient on 2x4, a scatter-add's [256, 64] all-reduced whole over `model` and
-# then sliced on `data`, where a dot's or a reduction's result is sliced first).
-REDUCED_WHOLE = frozenset({"scatter-add"})
 
 
 class ReshardPrices:
@@ -52,9 +47,10 @@ class ReshardPrices:
 
     def whole_first(self, value: Value, src: ShardSpec, dst: ShardSpec) -> ShardSpec | None:
         """The layout a partial sum is reduced into before it is resharded to `dst`, where XLA
-        does not slice it first (REDUCED_WHOLE: the slice cannot move into the op that made
-        it): src's splits, and dst's over the summed axes (a reduce-scatter where the profile
-        forms one, else an all-reduce of the whole); None where the reshard is priced as is."""
+        does not slice it first (the primitive table's reduced_whole: the slice cannot move
+        into the op that made it): src's splits, and dst's over the summed axes (a
+        reduce-scatter where the profile forms one, else an all-reduce of the whole); None
+        where the reshard is priced as is."""
         if not src.partial or dst.partial or not self.reduced_whole(value):
             return None
         mid = ShardSpec(tuple(s + tuple(a for a in d if a in src.partial and a not in s)
@@ -64,9 +60,9 @@ class ReshardPrices:
         return None if mid == dst else mid
 
     def reduced_whole(self, value: Value) -> bool:
-        """Whether an op in REDUCED_WHOLE made `value`."""
+        """Whether an op the primitive table marks reduced_whole made `value`."""
         p = self.producer.get(value.id, (0, 0))[0] - self.num_inputs
-        return p >= 0 and self.graph.nodes[p].primitive in REDUCED_WHOLE
+        return p >= 0 and primitives.info(self.graph.nodes[p].primitive).reduced_whole
 
     def reshard_comms(self, value: Value, src: ShardSpec, dst: ShardSpec) -> tuple:
         """The collectives of resharding `value` from src to dst (through whole_first's

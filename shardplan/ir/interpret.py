@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import jax
 
 from shardplan import _compat
-from shardplan.ir import lift
+from shardplan.ir import lift, primitives
 from shardplan.ir.graph import Graph, Loop, Node
 
 
@@ -166,14 +166,11 @@ def run_eqns(eqns: Sequence, env: dict, override: dict[int, Callable] | None = N
     return env
 
 
-# calls whose derivative rule is their own: run whole (bound again), not entered
-_KEPT_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-                         "custom_lin"})
-_REMAT = frozenset({"remat", "remat2", "checkpoint"})
-
-
 def _entered(eqn):
-    return None if eqn.primitive.name in _KEPT_CALLS else lift.inlined_body(eqn)
+    """The body of a call run equation by equation; None for a call bound whole (the table's
+    call="whole": its derivative rule is its own)."""
+    whole = primitives.info(eqn.primitive.name).call == "whole"
+    return None if whole else lift.inlined_body(eqn)
 
 
 def leaf_eqns(jaxpr) -> list:
@@ -250,7 +247,7 @@ def run_leaves(eqns: Sequence, env: dict, operand: Callable, start: int = 0,
                 run_leaves(sub.eqns, inner_env, operand, at, result, skip)
                 return [read_var(inner_env, v) for v in sub.outvars]
 
-            if eqn.primitive.name in _REMAT:
+            if primitives.info(eqn.primitive.name).call == "checkpoint":
                 call = jax.checkpoint(call, prevent_cse=eqn.params.get("prevent_cse", True),
                                       policy=eqn.params.get("policy"))
             outs = call(*ins)

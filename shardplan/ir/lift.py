@@ -12,17 +12,11 @@ from shardplan import _compat
 from shardplan.ir import primitives
 from shardplan.ir.graph import Body, Graph, Loop, Node, Role, Value, dtype_itemsize
 
-# Call-like primitives whose body computes exactly the equation's outputs from its inputs:
-# inlined. Names from several JAX versions (pjit became jit in 0.7; custom_vjp_call_jaxpr became
-# custom_vjp_call in 0.6.1; closed_call is eval_jaxpr after 0.11.0). A composite's decomposition
-# and an xla_metadata_call's body are inlined too: the plan runs their equations (the
-# metadata, a scheduling hint, is not re-emitted). Every other primitive with a sub-jaxpr (scan,
+# Call-like primitives (the primitive table's "call" family), whose body computes exactly the
+# equation's outputs from its inputs: inlined. Every other primitive with a sub-jaxpr (scan,
 # while, cond, shard_map, and reduce / reduce_window / scatter whose body is a per-element
 # combiner) is kept as one node with its sub-graphs attached.
-INLINE = frozenset({"jit", "pjit", "call", "closed_call", "eval_jaxpr", "core_call", "remat",
-                    "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call",
-                    "custom_vjp_call_jaxpr", "custom_lin", "named_call", "composite",
-                    "xla_metadata_call"})
+CALLS = frozenset(n for n, i in primitives.PRIMITIVES.items() if i.family == "call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +84,7 @@ def _sub_jaxprs(params) -> list[tuple[str, object]]:
 
 
 def _inlinable(eqn, subs) -> bool:
-    if eqn.primitive.name not in INLINE:
+    if eqn.primitive.name not in CALLS:
         return False
     # custom_jvp/vjp calls carry one body; any extra jaxpr-valued params are derivative rules.
     subs = [s for s in subs if s[0] in ("jaxpr", "call_jaxpr", "fun_jaxpr")] or subs

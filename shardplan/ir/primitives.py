@@ -39,6 +39,23 @@ class PrimitiveInfo:
     passes to the output. Only where the partitioner keeps it partial: add is linear in
     both together, but XLA reduces each operand before the add
     (tests/test_strategies_elementwise.py::test_partial_sums_pass_only_through_linear_ops)."""
+    duplicated: bool = False
+    """XLA's fusion duplicates it into every consumer (InstructionFusion: not IsExpensive):
+    a result of one that only fused ops read is never written where it is effectively unary
+    (intra/memory/liveness.py)."""
+    reduction: bool = False
+    """It reduces an operand over dimensions (a sum, max, argmax...): whether XLA fuses its
+    operand's producer into it depends on the compiler (intra/memory/compilers.py)."""
+    reduced_whole: bool = False
+    """XLA reduces its partial sums whole, in the layout it made them, before slicing them for
+    a reader that splits them further: the slice cannot move into the op (BERT's tied embedding
+    gradient on 2x4, a scatter-add's [256, 64] all-reduced whole over `model` and then sliced on
+    `data`, where a dot's or a reduction's result is sliced first; intra/reshard_prices.py)."""
+    call: str = ""
+    """For the "call" family, how the interpreter (ir/interpret.py) runs its body when it runs
+    the step equation by equation: "inline" (its equations in place), "checkpoint" (inside
+    jax.checkpoint with the equation's policy) or "whole" (bound as it is: its derivative rule
+    is its own, as custom_jvp/vjp calls'). The lifter inlines every call (ir/lift.py)."""
     why: str = ""
     """Why a primitive of the "replicated" family runs whole on every device on purpose (empty
     for primitives the table does not know: those are reported as unintended)."""
@@ -128,7 +145,7 @@ _INDEXED = {
     **_table("scatter", "scatter-mul scatter-min scatter-max scatter-sub",
              flops=F.scatter_combine),
     # a sum combiner: updates split by index leave the output a partial sum
-    "scatter-add": PrimitiveInfo("scatter_add", F.scatter_combine),
+    "scatter-add": PrimitiveInfo("scatter_add", F.scatter_combine, reduced_whole=True),
 }
 
 _WINDOWED = {
@@ -165,9 +182,14 @@ _OTHER = {
     # Loops are inlined by the lifter (their entry and exit: _LOOP below); kept as one node,
     # replicated, only when the lifter is told to keep loops whole; shard_map always.
     **_table("control", "scan while cond shard_map", flops=None),
-    # Inlined by the lifter (ir/lift.py INLINE): a node only if a body does not fit.
-    **_table("call", """jit pjit call closed_call eval_jaxpr remat2 custom_jvp_call custom_vjp_call
-             custom_vjp_call_jaxpr custom_lin composite xla_metadata_call""", flops=None),
+    # Inlined by the lifter (ir/lift.py CALLS): a node only if a body does not fit. A
+    # composite's decomposition and an xla_metadata_call's body are inlined too: the plan runs
+    # their equations (the metadata, a scheduling hint, is not re-emitted).
+    **_table("call", "jit pjit call closed_call eval_jaxpr composite xla_metadata_call",
+             flops=None, call="inline"),
+    "remat2": PrimitiveInfo("call", None, call="checkpoint"),  # jax.checkpoint's primitive
+    **_table("call", "custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr custom_lin",
+             flops=None, call="whole"),
 }
 
 # Primitives that run whole on every device on purpose, each group with its reason (coverage
@@ -261,8 +283,28 @@ def _merged(*tables: dict[str, PrimitiveInfo]) -> dict[str, PrimitiveInfo]:
     return dict(sorted(out.items()))
 
 
-PRIMITIVES: Mapping[str, PrimitiveInfo] = types.MappingProxyType(_merged(
-    _REPLICATED, _ELEMENTWISE, _REDUCTIONS, _SHAPE, _INDEXED, _WINDOWED, _RANDOM, _OTHER, _LOOP))
+# What XLA's fusion duplicates into every consumer (InstructionFusion: not IsExpensive).
+_DUPLICATED = """
+    abs add add_any and ceil clamp convert_element_type eq floor ge gt is_finite le lt max min
+    mul ne neg not or round select_n shift_left shift_right_arithmetic shift_right_logical sign
+    square sub xor bitcast_convert_type copy stop_gradient broadcast_in_dim reshape squeeze
+    transpose slice pad rev iota integer_pow
+"""
+_REDUCING = "reduce_sum reduce_max reduce_min reduce_prod argmax argmin reduce_and reduce_or"
+
+
+def _marked(table: dict[str, PrimitiveInfo], names: str, **fields) -> dict[str, PrimitiveInfo]:
+    """`table` with `fields` set on the entries of `names` (each must have one)."""
+    missing = [n for n in names.split() if n not in table]
+    if missing:
+        raise ValueError(f"primitives {missing} have no entry to mark")
+    return {n: dataclasses.replace(i, **fields) if n in names.split() else i
+            for n, i in table.items()}
+
+
+PRIMITIVES: Mapping[str, PrimitiveInfo] = types.MappingProxyType(_marked(_marked(_merged(
+    _REPLICATED, _ELEMENTWISE, _REDUCTIONS, _SHAPE, _INDEXED, _WINDOWED, _RANDOM, _OTHER, _LOOP),
+    _DUPLICATED, duplicated=True), _REDUCING, reduction=True))
 
 DEFAULT = PrimitiveInfo("replicated", F.elementwise)
 """What the planner assumes of a primitive it does not know: it runs replicated, one flop

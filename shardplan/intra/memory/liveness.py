@@ -72,22 +72,15 @@ def schedule(graph, unwritten: frozenset[int] = frozenset(),
     return pos
 
 
-# Ops XLA's fusion duplicates into every consumer (InstructionFusion: not IsExpensive, and
-# "effectively at most unary": one operand of the result's rank that is not a broadcast). A
+# Ops XLA's fusion duplicates into every consumer (the primitive table's `duplicated`), where
+# "effectively at most unary": one operand of the result's rank that is not a broadcast. A
 # result of one that only fused ops read is never written; its operand stays live instead
 # until the last of those reads (a dropout mask: the generator's bits kept for the backward).
-_CHEAP = """
-    abs add add_any and ceil clamp convert_element_type eq floor ge gt is_finite le lt max min
-    mul ne neg not or round select_n shift_left shift_right_arithmetic shift_right_logical sign
-    square sub xor bitcast_convert_type copy stop_gradient broadcast_in_dim reshape squeeze
-    transpose slice pad rev iota integer_pow
-"""
-CHEAP = frozenset(_CHEAP.split())
+CHEAP = frozenset(n for n, i in primitives.PRIMITIVES.items() if i.duplicated)
 # A scan's stacked ys: a buffer of every iteration's row, written whole (its row in the body is
 # the value written in place), whoever reads it: never fused into a reader.
 STACKED = frozenset({"loop_stack"})
-REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
-                        "argmin", "reduce_and", "reduce_or"})
+REDUCTIONS = frozenset(n for n, i in primitives.PRIMITIVES.items() if i.reduction)
 
 
 def _unary(graph, node, producer) -> bool:
@@ -170,13 +163,28 @@ def _folded(graph, node, v, rs, constant, readers) -> bool:
     return False
 
 
+def _loop_operand(graph, node, rs) -> bool:
+    """A value made outside a loop (scan, while, cond) that a node of the loop's body reads
+    (a constant of the loop): XLA passes it into its while loop as an operand, which the
+    body's fusions cannot take in, so it is written whole and held through the loop; but a
+    broadcast of a literal, which XLA sinks into the body (WhileLoopConstantSinking) and fuses
+    there. On the TPU compiler (Llama2-7B, layers scanned, on v5e 4x4: benchmarks/tpu_check.py)
+    the causal mask broadcast to [b, heads, t, t] before the layers' scans, where JAX hoists
+    what both scans read, was written (2 GiB a device) and held through both; the -inf
+    broadcast beside it was sunk."""
+    if node.primitive == "broadcast_in_dim" and all(graph.values[u].is_literal
+                                                    for u in node.inputs):
+        return False
+    return any(graph.nodes[r].loop != node.loop for r in rs)
+
+
 def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -> set[int]:
     """The values XLA never writes. A value is never written when its producer is fused into
     its readers: an op read once by another fused op, or a cheap unary op (CHEAP) that only
     fused ops read; or when XLA's simplifier folds it (_folded). A reduction's operand is
     written unless the compiler's reductions fuse their producers (XLA:CPU runs a reduction as
     a library fusion or a reduce-window tree that takes in no producer, or only the last one:
-    counted written, the safe side)."""
+    counted written, the safe side). A loop's constant is written (_loop_operand)."""
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
     fused = FUSED - rules.unfused
     takes_in = fused if rules.reductions_fuse_producers else fused - REDUCTIONS
@@ -195,7 +203,8 @@ def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -
                                  and not (rules.shared_broadcasts
                                           and _materialised(graph, node, rs)))
                 or (rules.recomputes and _recomputable(graph, node, rs)))
-            if fused_in or _folded(graph, node, v, rs, constant, readers):
+            if (fused_in or _folded(graph, node, v, rs, constant, readers)) and not (
+                    _loop_operand(graph, node, rs)):
                 virtual.add(v)
     return virtual
 
