@@ -214,27 +214,27 @@ def _solve_pinned(g, specs):
     problem = Problem(g, mesh, cost, IntraOptions(combine_gradients=True,
                                                   fixed_inputs=dict(enumerate(specs))))
     inp = problem.solver_input()
-    # the gradients' hubs (the loss's members, intra/combiner/loss_latency.py, follow them)
-    at = loss_latency.gradient_hubs(problem, len(problem.reps))
-    hubs = [inp.node_costs[i] for i in at.values()]
-    return cost, inp, hubs, ilp.solve(inp), sorted(at.values())
+    # the gradients' switches (the loss's members, intra/combiner/loss_latency.py, follow them)
+    at = loss_latency.gradient_switches(problem, len(problem.reps))
+    switches = [inp.node_costs[i] for i in at.values()]
+    return cost, inp, switches, ilp.solve(inp), sorted(at.values())
 
 
 def test_ilp_pays_the_combined_reduction_latency_once_where_a_gradient_is_reduced():
     _, g = _mlp_step(batch=65536)  # a batch too large to gather
     whole = ShardSpec.replicated(2)
     # data parallel (the weights whole, the batch split): both gradients are partial sums
-    cost, inp, hubs, dp, (hub,) = _solve_pinned(g, (whole, whole,
+    cost, inp, switches, dp, (switch,) = _solve_pinned(g, (whole, whole,
                                                     ShardSpec.split(2, 0, ("x",))))
     latency = cost.combined_latency([Collective("all-reduce", ("x",), 1)])
-    assert len(hubs) == 1 and tuple(hubs[0]) == pytest.approx((0.0, latency))
-    assert dp.choice[hub] == 1  # on: one latency for both gradients
+    assert len(switches) == 1 and tuple(switches[0]) == pytest.approx((0.0, latency))
+    assert dp.choice[switch] == 1  # on: one latency for both gradients
     off = list(dp.choice)
-    off[hub] = 0
-    assert types.evaluate(inp, off)[0] == float("inf")  # a gradient reduced: the hub cannot be off
+    off[switch] = 0
+    assert types.evaluate(inp, off)[0] == float("inf")  # a gradient reduced: the switch cannot be off
     # a small batch, everything whole: it runs replicated, no gradient is reduced, no latency
-    *_, hubs, alone, (hub,) = _solve_pinned(_mlp_step()[1], (whole, whole, whole))
-    assert len(hubs) == 1 and alone.choice[hub] == 0
+    *_, switches, alone, (switch,) = _solve_pinned(_mlp_step()[1], (whole, whole, whole))
+    assert len(switches) == 1 and alone.choice[switch] == 0
 
 
 def test_the_loss_reduction_runs_alone_where_the_forward_reduces_over_its_devices():

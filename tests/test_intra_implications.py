@@ -1,5 +1,5 @@
 """Implication rows (ilp.Implication: a member's choices in `when` force another's into
-`allowed`, as intra/combiner/gradient_latency.py turns a hub on) against the infinite-entry edges they replace and
+`allowed`, as intra/combiner/gradient_latency.py turns a switch on) against the infinite-entry edges they replace and
 brute force: presolve keeps or settles them exactly, HiGHS and CP-SAT forbid what they forbid,
 and the ways back (canonical, greedy) never break one."""
 
@@ -29,8 +29,8 @@ def as_edges(inp: SolverInput) -> SolverInput:
     return dataclasses.replace(inp, implications=(), edges=inp.edges + rows)
 
 
-def hub_problem(seed, n=7, k=4, hubs=2, ties=False):
-    """A chain with a chord, and `hubs` two-choice hubs (off free, on dear) that some members'
+def switch_problem(seed, n=7, k=4, switches=2, ties=False):
+    """A chain with a chord, and `switches` two-choice switches (off free, on dear) that some members'
     choices turn on."""
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, k + 1, size=n)
@@ -43,7 +43,7 @@ def hub_problem(seed, n=7, k=4, hubs=2, ties=False):
     a, b = sorted(rng.choice(n, size=2, replace=False))
     edges.append((int(a), int(b), draw(sizes[a], sizes[b])))
     rows = []
-    for h in range(hubs):
+    for h in range(switches):
         costs.append(np.array([0.0, float(rng.uniform(0.2, 1.5))]))
         for m in rng.choice(n, size=3, replace=False):
             when = rng.uniform(size=sizes[m]) < 0.5
@@ -63,7 +63,7 @@ def test_evaluate_prices_a_broken_row_infinite():
 @pytest.mark.parametrize("seed", range(25))
 @pytest.mark.parametrize("ties", [False, True])
 def test_rows_solve_as_their_edges_do(seed, ties):
-    inp = hub_problem(seed, ties=ties)
+    inp = switch_problem(seed, ties=ties)
     ref = brute_force(inp)
     assert ref.objective == pytest.approx(brute_force(as_edges(inp)).objective, abs=1e-12)
     reduced = presolve.reduce(inp)
@@ -83,16 +83,16 @@ def _solve_cpsat(inp):
     return tuple(next(k for k, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
 
 
-def test_highs_and_cpsat_forbid_reducing_with_the_hub_off():
-    # member 0's choice 0 is cheapest but turns the hub on (5): choice 1 and the hub off win;
-    # without the row, choice 0 with the hub off would (0)
+def test_highs_and_cpsat_forbid_reducing_with_the_switch_off():
+    # member 0's choice 0 is cheapest but turns the switch on (5): choice 1 and the switch off win;
+    # without the row, choice 0 with the switch off would (0)
     inp = SolverInput((np.array([0.0, 1.0, 3.0]), np.array([0.0, 5.0])),
                       implications=(Implication(0, np.array([True, False, False]), 1, ON),))
     for status_choice in (mip.solve(inp), ("optimal", _solve_cpsat(inp))):
         assert status_choice == ("optimal", (1, 0))
-    cheap_hub = dataclasses.replace(inp, node_costs=(inp.node_costs[0], np.array([0.0, 0.5])))
-    assert mip.solve(cheap_hub) == ("optimal", (0, 1))
-    assert _solve_cpsat(cheap_hub) == (0, 1)
+    cheap_switch = dataclasses.replace(inp, node_costs=(inp.node_costs[0], np.array([0.0, 0.5])))
+    assert mip.solve(cheap_switch) == ("optimal", (0, 1))
+    assert _solve_cpsat(cheap_switch) == (0, 1)
 
 
 def test_presolve_keeps_the_row_of_a_member_in_the_core():
@@ -115,7 +115,7 @@ def test_presolve_keeps_the_row_of_a_member_in_the_core():
 
 
 def test_presolve_settles_rows_it_can():
-    # member 0 has one choice, and it turns the hub on: the hub is forced on, no row is left;
+    # member 0 has one choice, and it turns the switch on: the switch is forced on, no row is left;
     # member 1's free choice is as cheap as its reducing one whatever node 2 does: it drops
     # its row and keeps the free choice
     costs = (np.array([1.0]), np.array([0.0, 0.0]), np.array([0.0, 1.0]), np.array([0.0, 0.7]),
@@ -133,7 +133,7 @@ def test_presolve_settles_rows_it_can():
 
 def test_canonical_and_greedy_keep_the_rows():
     # member 0's choices tie; moving it to its first (choice 0) would break the row with the
-    # hub off, so canonical leaves it; greedy turns the hub on where a member reduces
+    # switch off, so canonical leaves it; greedy turns the switch on where a member reduces
     inp = SolverInput((np.array([1.0, 1.0]), np.array([0.0, 0.0, 2.0]), np.array([0.0, 0.5])),
                       edges=((0, 1, np.zeros((2, 3))),),
                       implications=(Implication(0, np.array([True, False]), 2, ON),

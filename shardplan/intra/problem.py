@@ -425,10 +425,10 @@ class Problem:
                 costs[ia] += np.diagonal(m)
             else:
                 merged[(ia, ib)] = merged.get((ia, ib), 0) + m
-        hub_costs, hub_rows = gradient_latency.terms(self, len(costs))
+        switch_costs, switch_rows = gradient_latency.terms(self, len(costs))
         loss_costs, loss_edges, loss_rows = loss_latency.terms(self, len(costs),
-                                                            len(costs) + len(hub_costs))
-        node_costs = tuple(costs + hub_costs + loss_costs)
+                                                            len(costs) + len(switch_costs))
+        node_costs = tuple(costs + switch_costs + loss_costs)
         edge_list = tuple((a, b, m) for (a, b), m in sorted({**merged, **loss_edges}.items()))
         base = rows = copies = row_copies = ()
         if budget is not None:
@@ -436,12 +436,12 @@ class Problem:
             base, rows, copies, row_copies = memory.solver_terms(self.index)
             budget += memory.on_chip_allowance  # the rows count what the chip holds on chip
         return types.SolverInput(node_costs, edge_list, rows, budget, self.options.solver,
-                               hint=(0,) * len(self.reps) + (1,) * len(hub_costs)
+                               hint=(0,) * len(self.reps) + (1,) * len(switch_costs)
                                + (0,) * len(loss_costs),
                                memory_base=base,
                                copies=copies, row_copies=row_copies,
                                deadline=self.options.deadline,
-                               implications=tuple(hub_rows + loss_rows),
+                               implications=tuple(switch_rows + loss_rows),
                                least_memory=self.options.least_memory)
 
 

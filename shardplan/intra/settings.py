@@ -119,5 +119,5 @@ class IntraOptions:
     # collectives). tests/test_intra_combiner.py::
     # test_ilp_prices_data_parallel_as_compiled_and_beats_it checks the pricing against the
     # compiled program; benchmarks/vs_experts.py compiles the searched plans against the
-    # experts'; benchmarks/plan_speed.py times the solves with the hubs' rows.
+    # experts'; benchmarks/plan_speed.py times the solves with the switches' rows.
     combine_gradients: bool = True

@@ -10,11 +10,11 @@ plan that reduces none by less than the collective it runs
 (tests/test_intra_combiner.py::
 test_ilp_pays_the_combined_reduction_latency_once_where_a_gradient_is_reduced).
 
-Each group is one more member of the ILP (a "hub") with two choices, off (free) and on (the
+Each group is one more member of the ILP (a "switch") with two choices, off (free) and on (the
 latency, once per step: a scanned model's gradients reduced inside its loop are priced as the
 same model unrolled reduces them, as ReshardPrices.reshard_time prices its stacked values,
 else the two would plan differently); a row (types.Implication) from every member whose
-choice reduces a gradient over the group's axes forbids that choice with the hub off. As
+choice reduces a gradient over the group's axes forbids that choice with the switch off. As
 rows, not edges of infinite entries, they leave presolve its eliminations
 (intra/solve/presolve.py) and the MIP one row per member instead of an edge's pair variables
 (tests/test_intra_implications.py: rows against the edges they stand for).
@@ -103,19 +103,19 @@ def triggers(problem: Members) -> dict[tuple, list[tuple[int, np.ndarray]]]:
 
 
 def terms(problem: Members, first: int) -> tuple[list[np.ndarray], list[Implication]]:
-    """The hubs' costs ([off, on] each, numbered from `first` among the ILP's members) and
-    the rows that turn them on (a representative's reducing choices -> its hub on)."""
+    """The switches' costs ([off, on] each, numbered from `first` among the ILP's members) and
+    the rows that turn them on (a representative's reducing choices -> its switch on)."""
     costs: list[np.ndarray] = []
     rows: dict[tuple[int, int], np.ndarray] = {}
     for key, members in sorted(triggers(problem).items(), key=lambda kv: repr(kv[0])):
         latency = problem.cost.combined_latency([Collective("all-reduce", key, 1)])
         if latency <= 0:
             continue
-        hub = first + len(costs)
+        switch = first + len(costs)
         costs.append(np.array([0.0, latency]))
         for m, mask in members:
             i = problem.index[problem.groups.root[m]]
-            old = rows.get((i, hub))
-            rows[(i, hub)] = mask if old is None else old | mask
+            old = rows.get((i, switch))
+            rows[(i, switch)] = mask if old is None else old | mask
     on = np.array([False, True])
-    return costs, [Implication(i, mask, hub, on) for (i, hub), mask in sorted(rows.items())]
+    return costs, [Implication(i, mask, switch, on) for (i, switch), mask in sorted(rows.items())]

@@ -17,7 +17,7 @@ ILP with two free choices, alone (0) and joined (1): a member leaving a last val
 partial over those axes pays that reduction's latency with it alone; joined needs the
 gradients' combined all-reduce over the axes on (gradient_latency.py) and is forbidden by
 every forward member whose choice reduces over them (its own collectives, or a partial output): both
-rows (types.Implication), as the hubs' are.
+rows (types.Implication), as the switches' are.
 """
 
 from __future__ import annotations
@@ -30,20 +30,20 @@ from shardplan.intra.solve.types import Implication
 from shardplan.strategies.base import Collective
 
 
-def gradient_hubs(problem: Members, first: int) -> dict[tuple, int]:
-    """Mesh axes -> the index of the gradients' hub over them, numbered from `first` as
+def gradient_switches(problem: Members, first: int) -> dict[tuple, int]:
+    """Mesh axes -> the index of the gradients' switch over them, numbered from `first` as
     gradient_latency.terms numbers them (by their axes' repr, those of no latency left out)."""
     keys = [k for k in sorted(gradient_latency.triggers(problem), key=repr)
             if problem.cost.combined_latency([Collective("all-reduce", k, 1)]) > 0]
     return {k: first + j for j, k in enumerate(keys)}
 
 
-def terms(problem: Members, hubs_from: int, first: int
+def terms(problem: Members, switches_from: int, first: int
           ) -> tuple[list[np.ndarray], dict[tuple[int, int], np.ndarray], list[Implication]]:
     """The members' costs ([alone, joined] each, numbered from `first`), their edges
     ((representative index, member index) -> [the representative's choice, alone/joined]:
-    the latency alone) and their rows (joined needs the gradients' hub on, numbered from
-    `hubs_from`; a forward member's reducing choice forbids joined)."""
+    the latency alone) and their rows (joined needs the gradients' switch on, numbered from
+    `switches_from`; a forward member's reducing choice forbids joined)."""
     if not problem.options.combine_gradients:
         return [], {}, []
     g, groups, n_in = problem.graph, problem.groups, problem.num_inputs
@@ -74,28 +74,28 @@ def terms(problem: Members, hubs_from: int, first: int
             if lat.any():
                 payers.setdefault(key, []).append((m, lat))
     forward = xla.forward_values(g, loss)
-    joins = gradient_hubs(problem, hubs_from)
+    joins = gradient_switches(problem, switches_from)
     costs: list[np.ndarray] = []
     edges: dict[tuple[int, int], np.ndarray] = {}
-    forbids: dict[tuple[int, int], np.ndarray] = {}  # (representative, hub) -> its choices
+    forbids: dict[tuple[int, int], np.ndarray] = {}  # (representative, switch) -> its choices
     rows: list[Implication] = []
     joined, alone = np.array([False, True]), np.array([True, False])
 
-    def add(i: int, hub: int, mat: np.ndarray) -> None:
-        old = edges.get((i, hub))
-        edges[(i, hub)] = mat if old is None else old + mat
+    def add(i: int, switch: int, mat: np.ndarray) -> None:
+        old = edges.get((i, switch))
+        edges[(i, switch)] = mat if old is None else old + mat
 
     masks: dict[tuple, np.ndarray] = {}  # (choice_key, axes): tied layers' members alike
     for key in sorted(payers, key=repr):
-        hub = first + len(costs)
-        grad_hub = joins.get(key)
-        costs.append(np.array([0.0, 0.0 if grad_hub is not None else np.inf]))
+        switch = first + len(costs)
+        grad_switch = joins.get(key)
+        costs.append(np.array([0.0, 0.0 if grad_switch is not None else np.inf]))
         for m, lat in payers[key]:
             pay = np.zeros((len(lat), 2))
             pay[:, 0] = lat
-            add(problem.index[groups.root[m]], hub, pay)
-        if grad_hub is not None:  # joined needs the gradients' all-reduce on
-            rows.append(Implication(hub, joined, grad_hub, joined))
+            add(problem.index[groups.root[m]], switch, pay)
+        if grad_switch is not None:  # joined needs the gradients' all-reduce on
+            rows.append(Implication(switch, joined, grad_switch, joined))
         for node in g.nodes:
             if not any(v in forward for v in node.outputs):
                 continue
@@ -107,8 +107,8 @@ def terms(problem: Members, hubs_from: int, first: int
                     for k in choices(m)])
             if mask.any():
                 i = problem.index[groups.root[m]]
-                forbids[(i, hub)] = forbids[(i, hub)] | mask if (i, hub) in forbids else mask
-    rows += [Implication(i, mask, hub, alone) for (i, hub), mask in sorted(forbids.items())]
+                forbids[(i, switch)] = forbids[(i, switch)] | mask if (i, switch) in forbids else mask
+    rows += [Implication(i, mask, switch, alone) for (i, switch), mask in sorted(forbids.items())]
     return costs, edges, rows
 
 

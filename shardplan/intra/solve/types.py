@@ -41,7 +41,7 @@ class Implication(NamedTuple):
     infinite cost at [k, l] for k in `when`, l not in `allowed`, without the edge's pair
     variables, and without making a a neighbour of b in presolve
     (intra/combiner/gradient_latency.py: a member that reduces a gradient over some mesh axes
-    turns their hub on)."""
+    turns their switch on)."""
 
     a: int
     when: np.ndarray
