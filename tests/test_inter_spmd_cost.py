@@ -17,7 +17,7 @@ from shardplan.options import SearchOptions
 from shardplan.planning import compiled
 from shardplan.planning.pipelines import choose
 from tests.conftest import auto_mesh
-from tests.test_spmd_pipeline import L, M, scanned_mlp
+from tests.test_emit_spmd import L, M, scanned_mlp
 
 HW = get_profile("a100-80gb")
 

@@ -9,7 +9,7 @@ import shardplan
 from shardplan import timeline
 from shardplan.inter import schedule as schedule_mod
 from tests.conftest import auto_mesh
-from tests.test_spmd_pipeline import scanned_mlp
+from tests.test_emit_spmd import scanned_mlp
 
 S, M = 4, 8
 

@@ -69,7 +69,7 @@ def body_operand_specs(stage: Priced, lt: LossTrace) -> dict[tuple[int, int], Sh
     matmul's result too, under (i, -1): its operands alone held, XLA may compute it in another
     layout (the activation gathered whole at every layer and tick, where the plan computes it
     by sequence and moves the result all-to-all:
-    tests/test_spmd_pipeline.py::test_a_dot_gives_its_result_in_the_plans_layout)."""
+    tests/test_emit_spmd.py::test_a_dot_gives_its_result_in_the_plans_layout)."""
     found = _outer_loop(stage, lt, backward=False)
     if found is None:
         return {}
@@ -92,7 +92,7 @@ def body_backward_specs(stage: Priced, lt: LossTrace,
     the layout the plan's backward gives it: a constraint transposes to the same constraint
     on the cotangent, so a weight the forward reads whole gets its gradient reduced whole
     where the plan computes it split, every layer and tick
-    (tests/test_spmd_pipeline.py::test_scanned_gpt_spmd_pipeline_equals_the_single_device_step
+    (tests/test_emit_spmd.py::test_scanned_gpt_spmd_pipeline_equals_the_single_device_step
     runs a GPT whose plan differs so)."""
     found = _outer_loop(stage, lt, backward=True)
     if found is None:

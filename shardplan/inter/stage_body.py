@@ -194,7 +194,7 @@ def stage_layers(micro_eqn, num_layers: int, carry_specs: Sequence | None = None
         # the layers' result held too: else XLA lays the loop's carry out as a reader outside
         # wants it (the outputs' stack, split as the head reads it) and gathers it back at
         # every layer and before every ppermute
-        # (tests/test_spmd_pipeline.py::test_the_forward_loop_gathers_the_activation_once_per_layer_and_tick)
+        # (tests/test_emit_spmd.py::test_the_forward_loop_gathers_the_activation_once_per_layer_and_tick)
         return hold(jax.lax.scan(one, hold(carry), list(xs), length=num_layers,
                                  unroll=micro_eqn.params["unroll"])[0])
 

@@ -7,7 +7,7 @@ its depth: most of a deep step's compile is one layer compiled again for every l
 unrolled stack of identical layers adds the same program per layer: the same flops, bytes,
 collectives and buffers, so each priced figure is a + b * layers. Two compiles of the
 cut-down step (k and k + 1 layers) give a and b; the deep step's figure is read off the line
-(tests/test_depth.py::test_extrapolated_candidates_agree_with_the_full_compile: GPT, 8 layers).
+(tests/test_planning_depth.py::test_extrapolated_candidates_agree_with_the_full_compile: GPT, 8 layers).
 
 Where it applies, and nothing else: the plan maps node for node onto the cut-down step. The
 layers are found by the `layer_<i>` scope of the nodes (the zoo's unrolled blocks; the
@@ -47,7 +47,7 @@ def cut_depths(period: int, least: int = 1) -> tuple[int, int]:
     multiple of the period from `least`, and one period more. Not from 0 (no layer): the
     first layer is not priced like the embedding's neighbour without it, so a line through
     0 and 1 misses the peak bytes; from 1 and 2 the figures agree with the full compile
-    (tests/test_depth.py::test_extrapolated_candidates_agree_with_the_full_compile)."""
+    (tests/test_planning_depth.py::test_extrapolated_candidates_agree_with_the_full_compile)."""
     first = -(-least // period) * period
     return first, first + period
 

@@ -61,7 +61,7 @@ def solve(inp: SolverInput) -> Solution:
     if kept and inp.deadline is not None:
         # No fallback fits: HiGHS gets most of the time, the rest is kept for CP-SAT to find
         # any plan that fits; a fallback that fits leaves HiGHS all of it
-        # (tests/test_intra_ilp.py::test_time_is_kept_for_cp_sat_when_highs_finds_no_plan_that_fits)
+        # (tests/test_intra_solve_ilp.py::test_time_is_kept_for_cp_sat_when_highs_finds_no_plan_that_fits)
         inp = inp.replace(deadline=Deadline(inp.deadline.remaining() * MIP_SHARE, grace=0.0))
     perturbed = mip.perturbed(inp)
     lazy = budget is not None and len(inp.memory_rows) > rows.PER_ROUND

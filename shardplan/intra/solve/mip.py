@@ -177,7 +177,7 @@ def solve(inp: SolverInput):
     the other) bounds the MIP from below: with a plan found near it (presolve.improved), the
     columns whose reduced cost lifts that bound above the plan's cost are in no optimum, and
     the MIP over the rest is a fraction of the whole, with the same optimum
-    (tests/test_intra_linear.py::test_a_fractional_relaxation_is_finished_on_fewer_columns).
+    (tests/test_intra_solve_mip.py::test_a_fractional_relaxation_is_finished_on_fewer_columns).
     Under a memory budget the LP keeps its memory rows, and the gap is guessed where
     no plan near it is known to fit (_within_budget)."""
     model, x = _sparse(inp)

@@ -21,7 +21,7 @@ any (it keeps those choices only); a node that stays in a row otherwise stays in
 Both keep an optimum: the core's optimum, expanded back (each eliminated node at its best given
 its neighbours, in reverse order), is an optimum of the whole problem. Layers are chains of such
 nodes, so a transformer layer's ILP keeps a fraction of its nodes
-(tests/test_intra_presolve.py::test_presolve_keeps_an_optimum checks the expansion).
+(tests/test_intra_solve_presolve.py::test_presolve_keeps_an_optimum checks the expansion).
 """
 
 from __future__ import annotations

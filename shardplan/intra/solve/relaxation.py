@@ -6,7 +6,7 @@ and HiGHS's dual simplex goes on from the basis it had (the rows added leave tha
 feasible), until the solution keeps every row. An optimum of the LP over fewer rows that keeps
 them all is an optimum of the whole LP, and its duals, zero on the rows left out, are dual
 feasible for it: the bound and the reduced costs are the whole LP's
-(tests/test_intra_relaxation.py::test_lazy_rows_give_the_bound_and_reduced_costs_of_the_whole_lp).
+(tests/test_intra_solve_relaxation.py::test_lazy_rows_give_the_bound_and_reduced_costs_of_the_whole_lp).
 The memory rows are lazy: a few dense rows among many sparse ones, they cost HiGHS more
 iterations, and dearer ones, than the rest of the LP, and an optimum without them usually
 breaks few. HiGHS's presolve stays on here. benchmarks/plan_speed.py times the budgeted

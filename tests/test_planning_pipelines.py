@@ -1,5 +1,5 @@
-"""search.choose: a pipeline where slow links between hosts make it pay, one stage on fast
-uniform links, and the reasons in the plan's notes."""
+"""planning.pipelines.choose: a pipeline where slow links between hosts make it pay, one
+stage on fast uniform links, and the reasons in the plan's notes."""
 
 from shardplan.options import SearchOptions
 from shardplan.planning.pipelines import choose
