@@ -97,3 +97,78 @@ def test_the_memory_budget_walks_from_auto_to_the_solver_through_six_modules(mon
                     and "memory_budget" in {f.name for f in dataclasses.fields(cls)}):
                 holders.append(cls_name)
     assert holders == ["SearchOptions"], holders
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports at module level (a TYPE_CHECKING block's
+    and a try block's imports count; imports inside functions do not)."""
+    import ast
+
+    mods = {}
+    for p in PACKAGE.rglob("*.py"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {}
+    for name, p in mods.items():
+        pkg = name if p.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.parse(p.read_text()).body:
+            body = (node.body + node.orelse if isinstance(node, ast.If)
+                    else node.body if isinstance(node, ast.Try) else [node])
+            for s in body:
+                if isinstance(s, ast.Import):
+                    found |= {a.name for a in s.names}
+                elif isinstance(s, ast.ImportFrom):
+                    base = s.module or ""
+                    if s.level:
+                        up = pkg.split(".")[:len(pkg.split(".")) - (s.level - 1)]
+                        base = ".".join(up + ([s.module] if s.module else []))
+                    found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                              for a in s.names}
+        graph[name] = {m for m in found if m in mods and m != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_itself_round_a_cycle():
+    """No import cycle between the package's modules at module level (import-linter's layer
+    contracts order packages and layers; this checks every pair of modules)."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = _module_imports()
+    assert "shardplan.planning.driver" in graph["shardplan.api"]
+    assert not _cycles(graph), _cycles(graph)
+
+
+def test_no_module_is_over_450_lines():
+    """Modules are split by concept before they grow past 450 lines."""
+    long = {str(p.relative_to(PACKAGE)): n for p in _modules()
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long
