@@ -84,3 +84,38 @@ def test_a_layer_norms_product_of_broadcasts_is_never_written():
                 for v in node.outputs
                 if all(g.values[u].size < g.values[v].size for u in node.inputs)]
     assert products and all(v in virtual for v in products)
+
+
+def test_a_value_a_loop_reads_from_outside_is_written():
+    """XLA passes a loop's constants into its while loop as operands: the body's fusions cannot
+    take in their producers, so a broadcast made outside a scan and read inside it is written
+    whole and held through the loop (Llama2-7B's causal mask, broadcast to [b, heads, t, t]
+    before the layers' scans, where JAX hoists what they read alike: 2 GiB the TPU compiler
+    held through both scans of v5e 4x4, benchmarks/tpu_check.py). A broadcast of a literal is
+    sunk into the body and fused there (the mask's -inf alongside it)."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(x, w):
+        rows = jnp.arange(8)
+        mask = jnp.broadcast_to(rows[:, None] >= rows[None, :], (4, 8, 8))
+        low = jnp.full((4, 8, 8), -1e9, jnp.float32)
+
+        def body(c, wi):
+            return jnp.tanh(jnp.where(mask, c @ wi, low)), None
+
+        return jax.lax.scan(body, x, w)[0].sum()
+
+    g = lift(jax.make_jaxpr(step)(jnp.zeros((4, 8, 8)), jnp.zeros((3, 8, 8))))
+    readers: dict[int, list[int]] = {}
+    for node in g.nodes:
+        for v in set(node.inputs):
+            readers.setdefault(v, []).append(node.id)
+    virtual = liveness.unwritten(g, readers, {v: [j] for j, v in enumerate(g.outputs)})
+    outside = {node.primitive if not node.inputs or not g.values[node.inputs[0]].is_literal
+               else "literal " + node.primitive: v for node in g.nodes if node.loop is None
+               and node.primitive == "broadcast_in_dim" for v in node.outputs
+               if g.values[v].shape == (4, 8, 8)}
+    assert set(outside) == {"broadcast_in_dim", "literal broadcast_in_dim"}
+    assert outside["broadcast_in_dim"] not in virtual  # the mask: a loop operand
+    assert outside["literal broadcast_in_dim"] in virtual  # sunk into the body
