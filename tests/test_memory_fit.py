@@ -121,28 +121,49 @@ def _graph(name, **overrides):
     return m, lift(traced.closed_jaxpr, traced.arg_info)
 
 
-@pytest.mark.skipif(jax.__version_info__ >= (0, 12), reason=(
-    "the XLA:CPU of jax 0.12 runs a bf16 step in bf16 (tests/test_model_agrees.py), where jax "
-    "0.10's widened it to f32: the widening measured here is jax 0.10's"))
+def _replicated_peak(m, mesh) -> hlo.ProgramStats:
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lowered = jax.jit(m.fn, in_shardings=rep, out_shardings=rep).lower(*m.args)
+    return hlo.analyze(compiled_mod.compile_for_analysis(lowered))
+
+
 def test_xla_cpu_computes_bf16_in_f32_and_the_widening_says_how_much_the_target_keeps():
-    """The fact the widening rests on, measured: the bf16 MLP's compiled peak on CPU is no
-    less than the f32 MLP's (params f32 in both; a GPT's is equal to the byte); the model's share of the temporaries a bf16 device keeps
-    is below 1 for the bf16 step and exactly 1 for the f32 one."""
+    """The fact the widening rests on, measured where the XLA:CPU in use widens (jax 0.10's;
+    jax 0.12's keeps bf16, tests/test_model_agrees.py): the bf16 MLP's compiled peak on CPU is
+    no less than the f32 MLP's (params f32 in both; a GPT's is equal to the byte); the model's
+    share of the temporaries a bf16 device keeps is below 1 for the bf16 step and exactly 1 for
+    the f32 one."""
+    if not targets.xla_cpu_widens():
+        pytest.skip("this XLA:CPU keeps bf16 intermediates in bf16: nothing is widened")
     mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     peaks = {}
     for dtype in ("float32", "bfloat16"):
         m, graph = _graph("mlp", dtype=dtype, param_dtype="float32")
-        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lowered = jax.jit(m.fn, in_shardings=rep, out_shardings=rep).lower(*m.args)
-        peaks[dtype] = hlo.analyze(compiled_mod.compile_for_analysis(lowered)).peak_bytes
+        peaks[dtype] = _replicated_peak(m, mesh).peak_bytes
         w = liveness.cpu_widening(graph)
         assert (w == 1.0) if dtype == "float32" else (0.5 <= w < 1.0), (dtype, w)
     assert peaks["bfloat16"] >= peaks["float32"], peaks
 
 
-def test_compiled_peaks_on_cpu_count_the_temporaries_as_the_target_holds_them(mesh2x4):
+def test_the_widening_probe_says_what_xla_cpu_does(mesh8):
+    """targets.xla_cpu_widens (one small bf16 compile) against a whole step: the tiny GPT in
+    bf16 (params f32) holds temporaries no smaller than in f32 where XLA:CPU widens bf16 (jax
+    0.10.2: 2180160 against 2045504 bytes) and smaller where it keeps bf16 (jax 0.12: 1591360
+    against 2043968); only a widening XLA:CPU has its temporaries scaled back for a GPU."""
+    temps = {dtype: _replicated_peak(_graph("gpt", dtype=dtype, param_dtype="float32")[0],
+                                     mesh8).temp_bytes
+             for dtype in ("float32", "bfloat16")}
+    widens = targets.xla_cpu_widens()
+    assert (temps["bfloat16"] >= temps["float32"]) == widens, (temps, widens)
+    assert targets.widens(mesh8, get_profile("a100-80gb")) == widens
+    assert not targets.widens(mesh8, get_profile("cpu"))
+
+
+def test_compiled_peaks_on_cpu_count_the_temporaries_as_the_target_holds_them(mesh2x4,
+                                                                              monkeypatch):
+    monkeypatch.setattr(targets, "xla_cpu_widens", lambda: True)  # jax 0.10's XLA:CPU
     stats = hlo.ProgramStats((), 0.0, 0.0, 0.0, argument_bytes=100, output_bytes=60,
                              temp_bytes=1000, alias_bytes=50, peak_bytes=1110)
     gpu = get_profile("a100-80gb")
@@ -150,6 +171,8 @@ def test_compiled_peaks_on_cpu_count_the_temporaries_as_the_target_holds_them(me
     assert targets.on_target(stats, mesh2x4, gpu, 0.6).peak_bytes == 100 + 60 - 50 + 600
     assert targets.on_target(stats, mesh2x4, get_profile("cpu"), 0.6) is stats
     assert targets.on_target(stats, mesh2x4, gpu, 1.0) is stats
+    monkeypatch.setattr(targets, "xla_cpu_widens", lambda: False)  # jax 0.12's
+    assert targets.on_target(stats, mesh2x4, gpu, 0.6) is stats
 
 
 def test_the_compiled_check_compiles_the_donation_the_step_runs_with(mesh2x4):

@@ -4,8 +4,9 @@ A plan is judged by the compiler its user runs. For a TPU profile, with libtpu i
 (`pip install "shardplan[tpu]"`), programs are compiled by the real TPU compiler on compile-only
 devices of the slice's topology (deviceless AOT, as MaxText's train_compile.py does: nothing
 runs, `memory_analysis()` is the chip's own and a program past HBM fails to compile). Otherwise
-XLA:CPU on CPU devices stands in, and `Compiler.stands_in` says so: it widens bf16 to f32
-(`on_target` scales its temporaries back) and forms no reduce-scatter.
+XLA:CPU on CPU devices stands in, and `Compiler.stands_in` says so: it forms no
+reduce-scatter, and where it widens bf16 to f32 (`xla_cpu_widens`: jax 0.10's does, jax 0.12's
+does not) `on_target` scales its temporaries back.
 
 A TPU slice of n chips is the topology the Cloud TPU docs give for n chips (`topology_name`):
 v5e and v6e are 2-D (v5e:2x4 for 8), v5p 3-D (v5p:2x2x2 for 8). TPU v4's compile-only
@@ -237,11 +238,32 @@ def hbm_refusal(message: str) -> tuple[float, float] | None:
 
 def widens(mesh, hw: HardwareProfile) -> bool:
     """Whether programs compiled on `mesh` hold narrow floats wider than `hw` would: CPU
-    devices (XLA:CPU computes bf16 and f16 in f32) standing in for a GPU or TPU."""
+    devices standing in for a GPU or TPU, where the XLA:CPU in use computes bf16 in f32
+    (xla_cpu_widens: jax 0.10's does, jax 0.12's keeps bf16)."""
     devices = getattr(mesh, "devices", None)
     if hw.backend == "cpu" or devices is None:
         return False
-    return all(d.platform == "cpu" for d in np.asarray(devices).flat)
+    return all(d.platform == "cpu" for d in np.asarray(devices).flat) and xla_cpu_widens()
+
+
+_PROBE_SIDE = 128
+
+
+@functools.cache
+def xla_cpu_widens() -> bool:
+    """Whether the XLA:CPU in use holds a bf16 step's intermediates in f32, from one small
+    compile (cached): a bf16 `tanh(x @ w) @ w` holds its temporary wider than bf16. jax
+    0.10.2's XLA:CPU normalises bf16 ops to f32 (the temporary 196608 bytes for 32768 of bf16);
+    jax 0.12's runs the dots and the fusion in bf16 (32768 bytes)
+    (tests/test_memory_fit.py::test_the_widening_probe_says_what_xla_cpu_does)."""
+    side = _PROBE_SIDE
+    x = jax.ShapeDtypeStruct((side, side), jax.numpy.bfloat16)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    compiled = jax.jit(lambda x, w: jax.numpy.tanh(x @ w) @ w, in_shardings=sharding,
+                       out_shardings=sharding).lower(x, x).compile()
+    # tanh(x @ w) is the one temporary: side * side * 2 bytes held as bf16 (jax 0.12's
+    # XLA:CPU), six times that with the dots and tanh run in f32 (jax 0.10's)
+    return compiled.memory_analysis().temp_size_in_bytes > side * side * 2
 
 
 def on_target(stats: hlo.ProgramStats, mesh, hw: HardwareProfile,

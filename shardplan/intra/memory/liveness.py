@@ -274,11 +274,12 @@ NARROW_FLOATS = frozenset({"bfloat16", "float16"})
 def cpu_widening(graph) -> float:
     """The share of XLA:CPU's temporaries that a device computing in bf16/f16 natively holds.
 
-    XLA:CPU has no bf16 arithmetic: it normalises every bf16 op to f32 (FloatNormalization) and
-    keeps the f32 results between fusions (tests/test_memory_fit.py::
+    The XLA:CPU of jax 0.10 has no bf16 arithmetic: it normalises every bf16 op to f32
+    (FloatNormalization) and keeps the f32 results between fusions (tests/test_memory_fit.py::
     test_xla_cpu_computes_bf16_in_f32_and_the_widening_says_how_much_the_target_keeps), so a
     bf16 step compiled on CPU devices standing in for a GPU or TPU holds its bf16 intermediates
-    twice over. This is the peak of the step's intermediates (not its inputs and outputs, whose
+    twice over; the XLA:CPU of jax 0.12 keeps them in bf16, and analysis.targets.widens (a
+    probe compile) says which one is in use: only there is this share applied. This is the peak of the step's intermediates (not its inputs and outputs, whose
     buffers keep their dtype) under the memory model's schedule and lifetimes, at their own
     widths, over the same peak with every narrow float held as f32: 1.0 for a step without
     narrow floats. A model, not a measurement (the target's program cannot be compiled on CPU):
