@@ -99,6 +99,10 @@ class Plan:
     """The step runs as this many micro-batches (shardplan.inter.accumulate: the loss and
     gradient a scan over micro-batches, the update once): the plan is for the accumulated step,
     and running or adopting the plan rewrites the step the same way; 1: as written."""
+    zero: str = ""
+    """The ZeRO stage the plan amounts to over the mesh axes that split the batch, and the
+    shares of the parameters' and the optimizer state's bytes it splits over them
+    (shardplan.planning.zero); "" for a pipeline or a step without state."""
     compiled_by: str = ""
     """Which compiler judged the plan (shardplan.analysis.targets.Compiler.describe(): the TPU
     compiler on compile-only devices, or XLA:CPU standing in); "" when no program was compiled
@@ -196,6 +200,7 @@ class Plan:
             **({"grad_accumulation": self.grad_accumulation}
                if self.grad_accumulation > 1 else {}),
             **({"compiled_by": self.compiled_by} if self.compiled_by else {}),
+            **({"zero": self.zero} if self.zero else {}),
         }
 
     def save(self, path) -> None:
@@ -239,6 +244,8 @@ class Plan:
                       + (", scanned layers rematerialized" if self.remat else "")
                       + (f", gradients accumulated over {self.grad_accumulation} micro-batches"
                          if self.grad_accumulation > 1 else ""))
+        if self.zero:
+            console.print(_text(self.zero))
         console.print(f"estimate per step ({_text(self.estimate_source)}): {fmt_seconds(e.total_s)} = "
                       f"compute "
                       f"{fmt_seconds(e.compute_s)} + communication {fmt_seconds(e.comm_s)} "

@@ -62,7 +62,7 @@ _ESTIMATE_KEYS = (*(f.name for f in dataclasses.fields(Estimate)), "total_s")
 _PLAN_KEYS = ("version", "fingerprint", "mesh", "hardware", "memory_budget", "inputs", "outputs",
               "constraints", "operand_specs", "estimate", "model_estimate", "ops", "stages",
               "solver", "num_micro_batches", "schedule", "pipeline_kind", "notes", "remat",
-              "compiled_by", "grad_accumulation")
+              "compiled_by", "grad_accumulation", "zero")
 _V1_KEYS = (*(k for k in _PLAN_KEYS if k != "version"), "format", "search_s")
 """Version 1 files name their version "format" and keep the search time
 (tests/test_plan.py::test_a_version_1_file_loads_without_a_fingerprint)."""
@@ -238,7 +238,8 @@ class _PlanReader:
             notes=tuple(self.items(d, "notes", str, "plan", ())), fingerprint=fp,
             model_estimate=model, remat=self.get(d, "remat", bool, "plan", False),
             grad_accumulation=self.count(d, "grad_accumulation", "plan", 1, 1),
-            compiled_by=self.get(d, "compiled_by", str, "plan", ""))
+            compiled_by=self.get(d, "compiled_by", str, "plan", ""),
+            zero=self.get(d, "zero", str, "plan", ""))
 
     def stage(self, st: Mapping, w: str) -> Stage:
         self.fields(st, _STAGE_KEYS, w)

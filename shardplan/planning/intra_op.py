@@ -16,6 +16,7 @@ from shardplan.ir.graph import Graph
 from shardplan.ir.trace import TracedStep
 from shardplan.options import DEFAULTS, SearchOptions
 from shardplan.plan import OpRow, Plan
+from shardplan.planning import zero
 from shardplan.planning.job import Job
 from shardplan.strategies.spec import MeshShape, ShardSpec
 from shardplan.units import Deadline
@@ -46,6 +47,7 @@ def plan_graph(job: Job, *, ilp_budget: float | None = None, deadline: Deadline 
                      for v in sorted(intra.constrained)},
         estimate=intra.estimate, operand_specs=dict(intra.operand_specs),
         memory_budget=options.memory_budget, ops=ops,
+        zero=zero.describe(graph, intra.input_specs, job.mesh),
         search_s=job.deadline.elapsed(), notes=intra.notes + _pinned_note(job.pinned, traced),
         solver=f"{intra.solver}{' (optimal)' if intra.optimal else ''}, "
                f"{intra.num_choices} choices",
