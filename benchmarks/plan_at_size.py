@@ -79,7 +79,7 @@ def run(name: str, overrides: list[str], profile_dir: str | None) -> None:
                                 axis_names=names, options=options)
         outcome = (f"remat={plan.remat} grad_accumulation={plan.grad_accumulation} estimate "
                    f"{plan.estimate.total_s:.3f} s peak {plan.estimate.peak_bytes / 2**30:.2f} "
-                   f"GiB; {plan.solver}")
+                   f"GiB; {plan.zero}; {plan.solver}")
     except (shardplan.InfeasibleMemory, shardplan.SearchTimeout) as e:
         plan, outcome = None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
