@@ -4,12 +4,14 @@ bytes per device."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from shardplan.cost import collectives, ring
 from shardplan.cost.hardware import HardwareProfile
 from shardplan.ir import primitives
 from shardplan.ir.graph import Graph, Node, Value
+from shardplan.strategies import common
 from shardplan.strategies.base import Strategy
 from shardplan.strategies.spec import MeshShape, ShardSpec
 
@@ -19,6 +21,8 @@ FUSED = frozenset(name for name, info in primitives.PRIMITIVES.items() if info.f
 # The ops whose memory traffic the compute time charges: what analysis/hlo_bytes.py counts
 # in the compiled program (dots and convolutions, alone or in the fusions that hold them).
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+# Floats XLA:CPU sends through its collectives as f32 (AlphaBetaCost.wire_itemsize).
+NARROW_FLOATS = common.NARROW_FLOATS
 
 
 class AlphaBetaCost:
@@ -52,6 +56,24 @@ class AlphaBetaCost:
         self._comms = functools.lru_cache(maxsize=None)(self._comms_uncached)
         self._path = functools.lru_cache(maxsize=None)(self._path_uncached)
 
+    def wire_itemsize(self, value: Value) -> int:
+        """Bytes per element a collective sends of `value`. XLA:CPU (jax 0.10.2 and 0.12)
+        converts a bf16 or f16 operand to f32 around every collective it partitions (an
+        all-reduce's reducer "clone_promoted"), so on the cpu backend narrow floats travel at
+        4 bytes (tests/test_cost_narrow_collectives.py); a GPU or TPU sends them as they are
+        (analysis/price.py prices XLA:CPU's widened bytes at 16 bits there: CollectiveOp.formed)."""
+        if self.hardware.backend == "cpu" and value.dtype in NARROW_FLOATS:
+            return max(value.itemsize, 4)
+        return value.itemsize
+
+    def node_comms(self, strategy: Strategy) -> tuple:
+        """The collectives a strategy runs inside its node, at the width the backend sends
+        them: a narrow float's (Collective.narrow) at wire_itemsize on the cpu backend."""
+        if self.hardware.backend != "cpu" or not any(c.narrow for c in strategy.comms):
+            return tuple(strategy.comms)
+        return tuple(dataclasses.replace(c, nbytes=2 * c.nbytes, narrow=False) if c.narrow
+                     else c for c in strategy.comms)
+
     def _peak(self, dtype: str) -> float:
         try:
             return self.hardware.flops_for(dtype)
@@ -79,7 +101,8 @@ class AlphaBetaCost:
         out_dtype = graph.values[node.outputs[0]].dtype if node.outputs else "float32"
         compute = strategy.flops / self._peak(out_dtype)
         compute += self.node_traffic(graph, node, strategy) / self.hardware.mem_bandwidth
-        comm = collectives.comms_time(strategy.comms, self.mesh, self.links)
+        comm = collectives.comms_time(self.node_comms(strategy), self.mesh,
+                                      self.links)
         return compute, comm
 
     def node_traffic(self, graph: Graph, node: Node, strategy: Strategy) -> float:
@@ -107,7 +130,7 @@ class AlphaBetaCost:
             src, dst = src.without_partial(), dst.without_partial()
             if src == dst:
                 return 0.0
-        return self._reshard(value.shape, value.itemsize, src, dst)
+        return self._reshard(value.shape, self.wire_itemsize(value), src, dst)
 
     def reshard_latency(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
         """The latency part of reshard_time: what each further run of the same collectives
@@ -145,7 +168,7 @@ class AlphaBetaCost:
             return ()
         if dst.partial:
             src, dst = src.without_partial(), dst.without_partial()
-        return self._comms(value.shape, value.itemsize, src, dst)
+        return self._comms(value.shape, self.wire_itemsize(value), src, dst)
 
     def _comms_uncached(self, shape, itemsize, src: ShardSpec, dst: ShardSpec):
         return collectives.reshard(shape, itemsize, src, dst, self.mesh,
@@ -159,7 +182,7 @@ class AlphaBetaCost:
             return ()
         if dst.partial:
             src, dst = src.without_partial(), dst.without_partial()
-        return self._path(value.shape, value.itemsize, src, dst)
+        return self._path(value.shape, self.wire_itemsize(value), src, dst)
 
     def _path_uncached(self, shape, itemsize, src: ShardSpec, dst: ShardSpec):
         return collectives.reshard_path(shape, itemsize, src, dst, self.mesh,

@@ -155,9 +155,10 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
         c, k = cost.node_time(g, node, s)
         compute += c
         comm += k
-        comm_bytes += node.trips * collectives.comms_bytes(s.comms, cost.mesh)
-        expected += [(f"{node.primitive} {node.name}", c) for c in s.comms]
-        node_reds[node.id] = [(node.trips, c) for c in s.comms if c.kind in combinable]
+        comms = cost.node_comms(s)
+        comm_bytes += node.trips * collectives.comms_bytes(comms, cost.mesh)
+        expected += [(f"{node.primitive} {node.name}", c) for c in comms]
+        node_reds[node.id] = [(node.trips, c) for c in comms if c.kind in combinable]
 
     done = set()
     fanout = {v: chosen[problem.num_real + f].out_specs[0] for f, v in enumerate(problem.fanout_of)}

@@ -17,11 +17,14 @@ class Collective:
     kind: "all-reduce" | "all-gather" | "reduce-scatter" | "all-to-all".
     nbytes: bytes of the per-device buffer: the input of an all-reduce, reduce-scatter or
     all-to-all, the (gathered) output of an all-gather.
+    narrow: the buffer is a 16-bit float (bf16, f16), nbytes counted at 16 bits: XLA:CPU sends
+    it as f32 (cost.model.AlphaBetaCost.node_comms).
     """
 
     kind: str
     axes: tuple[str, ...]
     nbytes: int
+    narrow: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

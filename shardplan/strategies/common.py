@@ -103,6 +103,9 @@ def unsplit(spec: ShardSpec, dims: Sequence[int]) -> bool:
     return all(not spec.dims[d] for d in dims)
 
 
+NARROW_FLOATS = frozenset({"bfloat16", "float16"})
+
+
 def shard_bytes(value: Value, spec: ShardSpec, mesh: MeshShape) -> int:
     return math.prod(spec.shard_shape(value.shape, mesh)) * value.itemsize
 

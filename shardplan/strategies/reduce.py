@@ -39,7 +39,8 @@ def all_reduce_rule(node: Node, graph: Graph, mesh: MeshShape) -> list[Strategy]
     for spec in _input_specs(node, graph, mesh):
         over = common.mesh_order([a for d in axes for a in spec.dims[d]], mesh)
         out = common.drop_dims(spec, axes)
-        comms = [Collective("all-reduce", over, common.shard_bytes(out_val, out, mesh))] if over else []
+        comms = [Collective("all-reduce", over, common.shard_bytes(out_val, out, mesh),
+                            narrow=out_val.dtype in common.NARROW_FLOATS)] if over else []
         found.append(common.make(node, graph, mesh, [spec], [out], comms=comms))
     return [s for s in found if s is not None]
 
