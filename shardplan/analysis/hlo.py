@@ -33,8 +33,13 @@ class ProgramStats:
     after partitioning); flops also count every iteration of the while loops of known trip
     count (cost_analysis() counts a loop body once): loop_flops of them are added
     (shardplan.analysis.hlo_flops). argument/output/temp/alias/generated_code bytes: from
-    `compiled.memory_analysis()`. peak_bytes = argument + output + temp - alias: every
-    live buffer at once, counting donated (aliased) buffers once; an upper bound.
+    `compiled.memory_analysis()`. peak_bytes: the bytes a device must hold, which the
+    program fits in or not. On XLA:CPU and GPU, argument + output + temp - alias: every live
+    buffer at once, counting donated (aliased) buffers once. On TPU, the compiler's own peak
+    (`peak_memory_in_bytes`, its buffer assignment's heap): the TPU compiler compiles a
+    program whose sum exceeds HBM when that peak does not and refuses past it, and its
+    `temp_size_in_bytes` leaves out temporaries its peak holds
+    (tests/test_analysis_tpu.py::test_a_tpu_programs_peak_is_the_compilers_heap_peak).
     xla_peak_bytes: XLA's own heap-simulation peak when the runtime reports it, else 0.
     """
 
@@ -103,7 +108,8 @@ class ProgramStats:
             (f"ProgramStats over {self.num_devices} device(s), per device: "
              f"{self.flops / 1e9:.4f} GFLOP, {self.transcendentals:.0f} transcendentals, "
              f"{self.bytes_accessed / mib:.2f} MiB accessed"),
-            (f"  memory: peak {self.peak_bytes / mib:.2f} MiB = argument "
+            (f"  memory: peak {self.peak_bytes / mib:.2f} MiB "
+             f"{'(the TPU compiler heap) from' if self.platform == 'tpu' else '='} argument "
              f"{self.argument_bytes / mib:.2f} + output {self.output_bytes / mib:.2f} + temp "
              f"{self.temp_bytes / mib:.2f} - alias {self.alias_bytes / mib:.2f} MiB"),
             f"  collectives: {len(self.collectives)}, {self.bytes_sent / mib:.3f} MiB sent",
@@ -177,13 +183,16 @@ def analyze(compiled: Any) -> ProgramStats:
 
     arg, out = field("argument_size_in_bytes"), field("output_size_in_bytes")
     temp, alias = field("temp_size_in_bytes"), field("alias_size_in_bytes")
+    platform = devices[0].platform if devices else "cpu"
+    heap = field("peak_memory_in_bytes")
+    peak = heap if platform == "tpu" and heap else arg + out + temp - alias
     return ProgramStats(
         collectives=collectives, flops=flops + extra, transcendentals=trans, bytes_accessed=accessed,
         argument_bytes=arg, output_bytes=out, temp_bytes=temp, alias_bytes=alias,
-        peak_bytes=arg + out + temp - alias,
+        peak_bytes=peak,
         generated_code_bytes=field("generated_code_size_in_bytes"),
-        xla_peak_bytes=field("peak_memory_in_bytes"), num_devices=n, loop_flops=extra,
+        xla_peak_bytes=heap, num_devices=n, loop_flops=extra,
         contraction_bytes=traffic, widened_contraction_bytes=widened,
         io_bytes=hlo_bytes.io_bytes(text), optimal_seconds=optimal,
-        platform=devices[0].platform if devices else "cpu",
+        platform=platform,
     )
