@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -36,6 +37,13 @@ class Interceptor(Protocol):
 
 _ACTIVE: contextvars.ContextVar[Interceptor | None] = contextvars.ContextVar(
     "shardplan_gradient_interceptor", default=None)
+# jax's own, kept before routing_jax_gradients replaces the module attributes
+_JAX_VALUE_AND_GRAD, _JAX_GRAD = jax.value_and_grad, jax.grad
+# whether jax.value_and_grad / jax.grad called on this thread go to the interceptor
+_ROUTE_JAX: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "shardplan_route_jax_gradients", default=False)
+_ROUTING_LOCK = threading.Lock()
+_ROUTING_DEPTH = [0]  # open routing_jax_gradients blocks, any thread
 
 
 @contextlib.contextmanager
@@ -47,6 +55,60 @@ def intercepting(interceptor: Interceptor) -> Iterator[Interceptor]:
         yield interceptor
     finally:
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def routing_jax_gradients() -> Iterator[None]:
+    """While the block runs on this thread, jax.value_and_grad and jax.grad act as shardplan's
+    (handed to the active interceptor), so that a step written with jax's gradient can be cut
+    at it (gradient accumulation: shardplan.inter.accumulate). Calls are routed when the
+    function is made inside the block and looked up as `jax.value_and_grad` /
+    `jax.grad` (as steps, flax.nnx.value_and_grad and equinox.filter_value_and_grad do);
+    gradients taken inside the loss function stay jax's. The module attributes are swapped
+    while any block is open; other threads still get jax's own (the routing flag is per
+    thread). tests/test_accumulate.py::test_a_step_written_with_jax_value_and_grad_accumulates.
+    """
+    with _ROUTING_LOCK:
+        if _ROUTING_DEPTH[0] == 0:
+            jax.value_and_grad, jax.grad = _routed_value_and_grad, _routed_grad
+        _ROUTING_DEPTH[0] += 1
+    token = _ROUTE_JAX.set(True)
+    try:
+        yield
+    finally:
+        _ROUTE_JAX.reset(token)
+        with _ROUTING_LOCK:
+            _ROUTING_DEPTH[0] -= 1
+            if _ROUTING_DEPTH[0] == 0:
+                jax.value_and_grad, jax.grad = _JAX_VALUE_AND_GRAD, _JAX_GRAD
+
+
+def _unrouted(f: Callable) -> Callable:
+    """f called with routing off: gradients inside the loss function are jax's."""
+
+    @functools.wraps(f)
+    def call(*args, **kwargs):
+        token = _ROUTE_JAX.set(False)
+        try:
+            return f(*args, **kwargs)
+        finally:
+            _ROUTE_JAX.reset(token)
+
+    return call
+
+
+@functools.wraps(_JAX_VALUE_AND_GRAD)
+def _routed_value_and_grad(fun, *args, **kwargs):
+    if _ROUTE_JAX.get() and _ACTIVE.get() is not None:
+        return _unrouted(value_and_grad(fun, *args, **kwargs))
+    return _JAX_VALUE_AND_GRAD(fun, *args, **kwargs)
+
+
+@functools.wraps(_JAX_GRAD)
+def _routed_grad(fun, *args, **kwargs):
+    if _ROUTE_JAX.get() and _ACTIVE.get() is not None:
+        return _unrouted(grad(fun, *args, **kwargs))
+    return _JAX_GRAD(fun, *args, **kwargs)
 
 
 def _normalize_argnums(argnums: int | Sequence[int]) -> int | tuple[int, ...]:
@@ -73,7 +135,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
                   "allow_int": allow_int}
     if reduce_axes:
         kwargs_jax["reduce_axes"] = reduce_axes
-    plain = jax.value_and_grad(fun, **kwargs_jax)
+    plain = _JAX_VALUE_AND_GRAD(fun, **kwargs_jax)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
@@ -98,7 +160,7 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
         if _ACTIVE.get() is None:
-            return jax.grad(fun, argnums=_normalize_argnums(argnums), has_aux=has_aux,
+            return _JAX_GRAD(fun, argnums=_normalize_argnums(argnums), has_aux=has_aux,
                             holomorphic=holomorphic, allow_int=allow_int,
                             **({"reduce_axes": reduce_axes} if reduce_axes else {}))(
                 *args, **kwargs)

@@ -17,11 +17,12 @@ from jax.sharding import PartitionSpec as P
 import shardplan
 from shardplan import _compat
 from shardplan.analysis import hlo
+from shardplan.grad import _JAX_GRAD, _JAX_VALUE_AND_GRAD
 from shardplan.inter import accumulate as acc
 from shardplan.inter import accumulate_choices as choices
 from shardplan.ir import interpret
 from shardplan.ir.trace import trace
-from shardplan.models import base, gpt
+from shardplan.models import base, get_model, gpt
 from shardplan.strategies.spec import MeshShape
 
 
@@ -362,10 +363,11 @@ def test_errors_say_what_to_change():
     step, args = _mlp(6)
     with pytest.raises(acc.AccumulationError, match=r"dimension 6, not divisible by 4"):
         acc.accumulated(step, args, 4)
-    plain_grad = lambda w, x: (w - jax.grad(lambda w: jnp.mean(x @ w))(w),)
-    with pytest.raises(acc.AccumulationError, match="shardplan.value_and_grad"):
-        acc.accumulated(plain_grad, args[:2], 2)
-    assert choices.infer_reduction(plain_grad, args[:2]) is None
+    made_outside = jax.grad(lambda w, x: jnp.mean(x @ w))  # made once, not in the step
+    closed_over = lambda w, x: (w - made_outside(w, x),)
+    with pytest.raises(acc.AccumulationError, match="made inside it"):
+        acc.accumulated(closed_over, args[:2], 2)
+    assert choices.infer_reduction(closed_over, args[:2]) is None
     with pytest.raises(ValueError, match="num_micro_batches=0"):
         acc.accumulate(step, 0)
     with pytest.raises(ValueError, match="reduction='average'"):
@@ -373,6 +375,48 @@ def test_errors_say_what_to_change():
     weigh = acc.accumulate(step, 2, reduction=lambda w, x, y, mask: mask)
     with pytest.raises(acc.AccumulationError, match="must return a scalar"):
         jax.eval_shape(weigh, *args)
+
+
+def test_a_step_written_with_jax_value_and_grad_accumulates(mesh2x4):
+    """The zoo's GPT step takes its gradient with jax.value_and_grad, as users write steps:
+    accumulation cuts it there (shardplan.grad.routing_jax_gradients), its loss is read as
+    a mean over the batch, and 3 accumulated steps planned on 8 devices equal the plain
+    step on one; jax's own functions are back in place afterwards."""
+    m = get_model("gpt", "tiny", dropout_rate=0.0, optimizer="sgd", batch_size=8)
+    assert choices.infer_reduction(m.fn, m.args, state_argnums=m.state_argnums,
+                                   batch_argnums=m.batch_argnums) == "mean"
+    assert jax.value_and_grad is _JAX_VALUE_AND_GRAD and jax.grad is _JAX_GRAD
+    planned = shardplan.auto(acc.accumulate(m.fn, 2, batch_argnums=m.batch_argnums),
+                             mesh=mesh2x4, cache=False, state_argnums=m.state_argnums,
+                             batch_argnums=m.batch_argnums)
+    single = jax.jit(m.fn)
+    a = b = m.args
+    for _ in range(3):
+        out_p, out_s = planned(*a), single(*b)
+        np.testing.assert_allclose(np.asarray(out_p[2]), np.asarray(out_s[2]), rtol=1e-5)
+        for x, y in zip(jax.tree.leaves(out_p[:2]), jax.tree.leaves(out_s[:2])):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+        a, b = (*out_p[:2], *m.args[2:]), (*out_s[:2], *m.args[2:])
+
+
+def test_gradients_inside_the_loss_function_stay_jaxs():
+    """A jax.grad taken inside the loss function (a gradient penalty) is jax's own while
+    the step's jax.value_and_grad is cut: the accumulated step equals the plain step."""
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((4, 2)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 4)), jnp.float32)
+
+    def loss_fn(w, x):
+        penalty = jnp.sum(jax.grad(lambda v: jnp.sum(jnp.tanh(x @ v)))(w) ** 2) / x.shape[0]
+        return jnp.mean(jnp.tanh(x @ w) ** 2) + penalty
+
+    def step(w, x):
+        loss, g = jax.value_and_grad(loss_fn)(w, x)
+        return w - 0.1 * g, loss
+
+    got = jax.jit(acc.accumulate(step, 2, reduction="sum"))(w, x)
+    want = [jax.value_and_grad(loss_fn)(w, x[k::2]) for k in range(2)]
+    np.testing.assert_allclose(got[1], sum(v for v, _ in want), rtol=1e-5)
+    np.testing.assert_allclose(got[0], w - 0.1 * sum(g for _, g in want), rtol=1e-5)
 
 
 # --- planning it -------------------------------------------------------------------------------

@@ -99,5 +99,22 @@ def test_the_step_as_a_whole_is_bounded_at_once_where_a_rematerialized_step_foll
     plan = shardplan.search(mlp_step, *mlp_args(), **kw)  # remat="auto"
     assert plan.remat and plan.fits() and not calls
     with pytest.raises(shardplan.InfeasibleMemory) as e:
-        shardplan.search(mlp_step, *mlp_args(), remat=False, **kw)
+        shardplan.search(mlp_step, *mlp_args(), remat=False, grad_accumulation=1, **kw)
     assert calls and e.value.exact  # nothing else to plan: the least is searched for
+    # accumulation, where it may be chosen, fits the step as written
+    assert shardplan.search(mlp_step, *mlp_args(), remat=False, **kw).grad_accumulation > 1
+
+
+def test_a_zoo_step_written_with_jax_value_and_grad_accumulates_where_memory_binds():
+    """The zoo's steps take their gradient with jax.value_and_grad: accumulation is a choice
+    for them too (shardplan.grad.routing_jax_gradients), chosen where the step as a whole
+    does not fit."""
+    from shardplan.models import get_model
+
+    m = get_model("gpt", "tiny", abstract=True, batch_size=256, seq_len=64, dropout_rate=0.0)
+    kw = {"cluster": "cpu", "mesh_shape": (2, 4), "time_limit": 20, "deterministic": True,
+          "state_argnums": m.state_argnums, "batch_argnums": m.batch_argnums}
+    whole = shardplan.search(m.fn, *m.args, grad_accumulation=1, **kw)
+    plan = shardplan.search(m.fn, *m.args, memory_budget=int(0.8 * whole.estimate.peak_bytes),
+                            **kw)
+    assert plan.grad_accumulation > 1 and plan.fits(), (plan.grad_accumulation, plan.notes)

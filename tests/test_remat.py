@@ -193,7 +193,8 @@ def test_search_rematerializes_only_where_nothing_else_fits():
     args = mlp_args()
     kw = {"cluster": "cpu-8", "time_limit": 20, "deterministic": True}
     with pytest.raises(InfeasibleMemory):
-        shardplan.search(mlp_step, *args, remat=False, memory_budget=BUDGET, **kw)
+        shardplan.search(mlp_step, *args, remat=False, memory_budget=BUDGET,
+                         grad_accumulation=1, **kw)
     plan = shardplan.search(mlp_step, *args, memory_budget=BUDGET, **kw)  # remat="auto"
     assert plan.remat and plan.estimate.peak_bytes <= BUDGET
     assert any("scanned layers rematerialized (remat='auto'" in n for n in plan.notes)

@@ -1,7 +1,8 @@
 """Gradient accumulation: a train step run as M micro-batches, then its update once.
 
-The step is cut at its gradient call (shardplan.inter.split: the step must take its gradient
-with shardplan.value_and_grad / shardplan.grad). What comes before the call and depends on
+The step is cut at its gradient call (shardplan.inter.split: jax.value_and_grad, jax.grad or
+shardplan's drop-ins for them, made and called once inside the step, as the zoo, flax and
+optax steps write it; shardplan.grad.routing_jax_gradients). What comes before the call and depends on
 the state only (the differentiated arguments, casts of the parameters) runs once; the loss
 function and its gradient run as a `jax.lax.scan` over M micro-batches of the batch
 arguments, the loss, aux outputs and gradients summed in accumulators of at least float32;
@@ -52,7 +53,8 @@ still found by TracedStep.rematerialized):
         # p > 1 and the batch divides by m * p, plan accumulated(..., partial_sums=p) too
 
 and runs the kept plan's step (`accumulate(fn, m, ...)` has fn's signature). A step whose
-gradient is not taken with shardplan.value_and_grad raises AccumulationError: M = 1 only.
+gradient function is not made inside it (one made once outside the step and closed over)
+raises AccumulationError: M = 1 only.
 """
 
 from __future__ import annotations
@@ -85,8 +87,8 @@ def accumulate(fn: Callable, num_micro_batches: int, *, reduction: Reduction = "
     """`fn` run as `num_micro_batches` micro-batches: a step with fn's arguments and outputs.
 
     Args:
-      fn: a train step taking its gradient with shardplan.value_and_grad / shardplan.grad,
-        once, at its top level.
+      fn: a train step taking its gradient once, at its top level, with a gradient function
+        it makes (jax.value_and_grad, jax.grad or shardplan's drop-ins).
       num_micro_batches: M; the batch's leading dimension must divide by it. M = 1 gives
         `fn` itself.
       reduction: "mean", "sum" or a weight function (see the module docstring).
@@ -159,7 +161,8 @@ def split(fn: Callable, args: Sequence, num_micro_batches: int, *, partial_sums:
                 "(accumulate_choices.micro_batch_choices lists them)")
     try:
         return split_mod.split_step(fn, args, num_micro_batches=m * lanes,
-                                    batch_argnums=batch_argnums, traced=traced)
+                                    batch_argnums=batch_argnums, traced=traced,
+                                    jax_gradients=True)
     except split_mod.PipelineSplitError as e:
         raise AccumulationError(f"{what}: {e}") from e
 

@@ -14,6 +14,7 @@ inlines them), as jax.grad of the inlined code would.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from shardplan.grad import (
     PipelineSplitError,
     ReplayUpdate,
     intercepting,
+    routing_jax_gradients,
 )
 from shardplan.ir import interpret
 from shardplan.ir.graph import Graph, Node, Role
@@ -119,9 +121,12 @@ def micro_batch_leaves(traced: TracedStep, batch_argnums: Sequence[int] | None) 
 def split_step(fn, args: Sequence, *, num_micro_batches: int = 1,
                state_argnums: Sequence[int] | None = None,
                batch_argnums: Sequence[int] | None = None,
-               traced: TracedStep | None = None) -> SplitStep:
+               traced: TracedStep | None = None, jax_gradients: bool = False) -> SplitStep:
     """Trace `fn(*args)` (arrays or ShapeDtypeStructs) and split it at its
-    shardplan.value_and_grad / shardplan.grad call, for `num_micro_batches` micro-batches."""
+    shardplan.value_and_grad / shardplan.grad call, for `num_micro_batches` micro-batches;
+    with `jax_gradients`, at a jax.value_and_grad / jax.grad call too
+    (shardplan.grad.routing_jax_gradients: gradient accumulation cuts steps as users write
+    them; pipelines keep to shardplan's marks)."""
     args = tuple(args)
     if traced is None:
         traced = trace(fn, args, state_argnums, batch_argnums)
@@ -130,9 +135,11 @@ def split_step(fn, args: Sequence, *, num_micro_batches: int = 1,
         raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
     micro = micro_batch_leaves(traced, batch_argnums)
     capture = CaptureForward()
-    forward = _trace_forward(fn, traced, _micro_avals(traced, micro, B), capture)
-    cut = _cut_forward(forward, micro)
-    update = _trace_update(fn, traced, capture, forward, cut["diff_values"])
+    with routing_jax_gradients() if jax_gradients else contextlib.nullcontext():
+        forward = _trace_forward(fn, traced, _micro_avals(traced, micro, B), capture,
+                                 jax_gradients)
+        cut = _cut_forward(forward, micro)
+        update = _trace_update(fn, traced, capture, forward, cut["diff_values"])
     return SplitStep(traced, B, micro, forward, cut["diff_values"], cut["diff_sources"],
                      cut["diff_inputs"], capture.grad_tree, capture.has_aux, capture.out_tree,
                      cut["pre"], cut["body"], cut["boundaries"], update)
@@ -155,7 +162,8 @@ def _micro_avals(traced: TracedStep, micro: Sequence[int], B: int) -> list:
     return small
 
 
-def _trace_forward(fn, traced: TracedStep, avals: Sequence, capture: CaptureForward) -> Graph:
+def _trace_forward(fn, traced: TracedStep, avals: Sequence, capture: CaptureForward,
+                   jax_gradients: bool = False) -> Graph:
     """The forward graph: the step up to its gradient call, then the loss function (on one
     micro-batch), captured by `capture`."""
 
@@ -166,6 +174,11 @@ def _trace_forward(fn, traced: TracedStep, avals: Sequence, capture: CaptureForw
                 fn(*step_args)
             except CapturedLoss as c:
                 return c.outputs
+        if jax_gradients:
+            raise PipelineSplitError(
+                "the step never called a gradient function made inside it (jax.value_and_grad, "
+                "jax.grad, or shardplan's drop-ins for them): make the gradient function in "
+                "the step, not once outside it, so the loss function can be found")
         raise PipelineSplitError(
             "the step never called shardplan.value_and_grad or shardplan.grad: write the "
             "gradient with those (drop-ins for jax's) so the pipeline planner can find the "

@@ -151,19 +151,22 @@ def rng_arg(*, abstract: bool, seed: int = 2):
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, name: str,
                     *, trainable: Callable | None = None, merge: Callable | None = None,
-                    value_and_grad: Callable = jax.value_and_grad):
+                    value_and_grad: Callable | None = None):
     """fn(params, opt_state, batch, *extra) -> (params, opt_state, loss).
 
     `loss_fn(trainable_params, params, batch, *extra) -> (loss, aux)`. By default every param
     is trainable and aux is ignored; `trainable(params)` selects the optimised part (e.g.
     without batch-norm statistics) and `merge(params, new_trainable, aux)` builds the new state.
-    `value_and_grad`: jax's, or shardplan.value_and_grad (the same outside the planner) for a
-    step that shardplan may pipeline.
+    `value_and_grad`: None for jax.value_and_grad, looked up when the step runs (as a step
+    written by hand does, so that gradient accumulation can cut it), or
+    shardplan.value_and_grad (the same outside the planner) for a step that shardplan may
+    pipeline.
     """
 
     def train_step(params, opt_state, batch, *extra):
         train_params = trainable(params) if trainable else params
-        (loss, aux), grads = value_and_grad(loss_fn, has_aux=True)(
+        vg = jax.value_and_grad if value_and_grad is None else value_and_grad
+        (loss, aux), grads = vg(loss_fn, has_aux=True)(
             train_params, params, batch, *extra)
         updates, opt_state = optimizer.update(grads, opt_state, train_params)
         train_params = optax.apply_updates(train_params, updates)

@@ -34,9 +34,8 @@ def choices(job: Job) -> tuple[list[int], str]:
         # split, fails inside the user's code)
         return [], f"the step could not be cut at its gradient ({type(e).__name__}: {e})"
     if reduction != "mean":
-        return [], ("its loss is not seen to be a mean over the batch (or its gradient is not "
-                    "taken with shardplan.value_and_grad); pass grad_accumulation=M to "
-                    "accumulate a mean loss anyway")
+        return [], ("its loss is not seen to be a mean over the batch; pass "
+                    "grad_accumulation=M to accumulate a mean loss anyway")
     ms = [m for m in accumulate_choices.micro_batch_choices(job.traced, job.mesh,
                                                               o.batch_argnums) if m > 1]
     return ms, "" if ms else "no micro-batch count keeps the batch split over the mesh"
