@@ -37,6 +37,15 @@ def test_a_slice_of_n_chips_is_the_cloud_topology(hw, n, name):
     assert targets.topology_name(hw, n) == name
 
 
+def test_a_mesh_axis_may_split_a_torus_axis():
+    """8 x 8 on v5p's 4x4x4 torus (configs/mixtral-8x7b-tpu-v5p-128.yaml): no mesh axis is a
+    product of torus axes, so one is split (mesh_utils' allow_split_physical_axes); every
+    chip is used once."""
+    _needs_libtpu()
+    mesh = targets.tpu_mesh(V5P, MeshShape(("data", "model"), (8, 8)))
+    assert mesh.devices.shape == (8, 8) and len({d.id for d in mesh.devices.flat}) == 64
+
+
 def test_a_count_that_makes_no_slice_names_the_known_ones():
     with pytest.raises(targets.TargetError, match=r"12 tpu-v5e chips .* v5e:2x4, v5e:4x4"):
         targets.topology_name(V5E, 12)

@@ -148,11 +148,17 @@ def tpu_devices(hw: HardwareProfile, num_devices: int) -> list:
 
 def tpu_mesh(hw: HardwareProfile, mesh_shape: MeshShape) -> jax.sharding.Mesh:
     """An Auto-axes mesh of compile-only devices of `hw`'s TPU slice in `mesh_shape`, laid
-    out over the torus as jax's mesh_utils lays a slice's devices (rings along each axis)."""
+    out over the torus as jax's mesh_utils lays a slice's devices (rings along each axis); a
+    mesh axis that is no product of the torus' axes (8 x 8 on v5p's 4x4x4) splits a torus
+    axis, as MaxText allows (tests/test_targets.py::test_a_mesh_axis_may_split_a_torus_axis)."""
     from jax.experimental import mesh_utils
 
     devices = tpu_devices(hw, mesh_shape.num_devices)
-    grid = mesh_utils.create_device_mesh(mesh_shape.sizes, devices)
+    try:
+        grid = mesh_utils.create_device_mesh(mesh_shape.sizes, devices)
+    except NotImplementedError:  # "Failed to find assignment for logical_axis_index ..."
+        grid = mesh_utils.create_device_mesh(mesh_shape.sizes, devices,
+                                             allow_split_physical_axes=True)
     return jax.sharding.Mesh(grid, mesh_shape.names,
                              axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_shape.sizes))
 
