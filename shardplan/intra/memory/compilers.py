@@ -129,10 +129,11 @@ TPU = Rules(
     layout_copies=False,
     holds_gradients=False,
     small_temps=0.0,
-    # v5e's memory space assignment keeps temporaries in most of a core's VMEM, its
-    # long-lived activations in HBM; counting 48 MiB on chip, the bf16 MLP of
-    # tests/test_memory_tpu.py is estimated within 10% of its compiled peak, searched and FSDP
-    on_chip_bytes=48.0 * 2**20,
+    # the TPU compiler's heap peak (analysis/hlo.py ProgramStats.peak_bytes, what it refuses
+    # programs by) counts the buffers its memory space assignment places in a core's VMEM
+    # too (color 1 in its buffer assignment: x @ x of a 2048 x 2048 f32 holds 16 MiB there):
+    # nothing is taken off (tests/test_memory_tpu.py)
+    on_chip_bytes=0.0,
     tiled=True,
 )
 
