@@ -24,7 +24,8 @@ Measured 2026-11-28 on v5e 2x4 (libtpu 0.0.42.1, jax 0.10.2; budget 15.75 GiB; `
 --meshes 2x4`, one run per model; GPT-2 and MoE with the memory model and optimal_seconds of
 this commit, Llama with the TPU memory rules of 42b2f84+1c3d460 and optimal_seconds before its
 ConcatBitcast correction, so its column is left out). est / TPU: the memory model's peak over
-the TPU's memory_analysis; est / priced: the plan's step estimate over its TPU program priced by
+the TPU's memory_analysis (argument + output + temp - alias, the measure read before 1eed120;
+not yet re-measured by the heap peak); est / priced: the plan's step estimate over its TPU program priced by
 the cost model; vs best: the searched plan priced over the cheapest expert plan that fits
 (data parallel, FSDP, and 2-D: Megatron over `model`, data parallel over `data`):
 
@@ -54,25 +55,31 @@ all-reduce over the ring, ranks the searched plan first. Not yet measured: 4x4 a
 
 Measured 2026-11-28, Llama2-7B as configs/llama2-7b-tpu-v5e-16.yaml says (32 scanned layers,
 global batch 64 x 2048, bf16 compute, f32 weights and Adam state, remat true, time limit 30 s,
-budget 15.75 GiB) on v5e 4x4 (libtpu 0.0.42.1, jax 0.10.2), with a loop's constants written
-(intra/memory/liveness.py _loop_operand: 89ca9dc), one run:
+budget 15.75 GiB) on v5e 4x4 (libtpu 0.0.42.1, jax 0.10.2), "fits" and "TPU GiB" by the TPU
+compiler's heap peak (analysis/hlo.py ProgramStats.peak_bytes, what it refuses programs by:
+tests/test_analysis_tpu.py), one run:
 
     .venv/bin/python benchmarks/tpu_check.py --cases llama2-7b 2>&1 | grep -v -E \
         "^(E0000|WARNING: Logging|===|learning|Failed to find host)"
 
     plan      fits  est GiB  TPU GiB  est/TPU  est ms   priced ms  est/priced  opt_s ms
-    searched  NO    14.42    18.27    0.79     3274.04  3997.43    0.82        177.04
-    maxtext   NO    21.25    19.40    1.10     3270.76  4236.88    0.77        193.37
+    searched  yes   14.47    14.65    0.99     3274.04  3997.43    0.82        177.04
+    maxtext   yes   21.30    15.65    1.36     3270.76  4236.88    0.77        193.37
 
-    searched / maxtext: 0.943 priced, 0.916 by optimal_seconds; neither fits by memory_analysis
+    searched / maxtext: 0.943 priced, 0.916 by optimal_seconds; both fit
 
-Wall: the search 109 s, of which 101.6 s its compiled check (no time was left to re-plan);
-the expert plans completed by the ILP 7 s; maxtext compiled in 116 s (load 5 to 10). Before
-the loop's constants were written, the searched plan (estimate 12.21 GiB) was refused by the
-TPU compiler ("HLO temporaries (16.99G) exceeds available HBM (15.75G)"), and maxtext was
-estimated 12.45 GiB (0.64 of its 19.40). With --time-limit 900 the check re-planned once (ILP
-budget 13.47 GiB, 1.01 x the least-memory bound; estimate 12.77 GiB), compiled 18.27 GiB
-again, and the time ran out (897 s): the model's rearrangements do not move the TPU's peak.
+Wall: the search 54 s, of which 48 s its compiled check (the machine otherwise idle); the
+expert plans completed by the ILP 7 s; maxtext compiled in 48 s. By argument + output + temp -
+alias, the figure this check read before, the two programs need 18.27 and 19.40 GiB and
+neither fits, yet the compiler compiles both: memory_analysis() counts 3.6 and 3.7 GiB more
+temporaries than its heap holds (the buffer assignment the TPU compiler dumps totals 14.66 and
+15.66 GiB). The step estimate is 0.82 of the searched program priced: not yet located.
+maxtext's estimate is over its compiled peak: a loop's constant is counted in the layout it is
+made in (the mask, left replicated by the ILP's completion without a budget: 8 GiB), where XLA
+holds it in the layout the loop's body first reads it in (2 GiB). Before the loop's constants
+were written (intra/memory/liveness.py _loop_operand: 89ca9dc), the searched plan (estimate
+12.21 GiB) was refused by the TPU compiler ("HLO temporaries (16.99G) exceeds available HBM
+(15.75G)").
 
 Where the TPU's memory goes (--xla_dump_to, benchmarks/xla_live.py): per chip 4.71 GiB of
 f32 weights and Adam state, and at the peak (a layer's attention recomputed in the backward
@@ -83,29 +90,29 @@ side), the f32 gradient stacks 1.7 GiB, bf16 copies of the stacked weights hoist
 scans 0.7 GiB, and the causal mask broadcast to [b, heads, t, t] before both scans (maxtext
 2 GiB, split on the batch over data; searched 512 MiB). The zoo's attention holds [b, heads,
 t, t] (MaxText's splash attention does not): split over 16 chips any way, each f32 copy is
-2 GiB. The buffer assignment the TPU compiler dumps totals 14.66 GiB (searched: 4.71 + 9.95
-temporaries) and 15.66 GiB (maxtext), and the compiler refuses by it (16.99G above), while
-memory_analysis() counts 3.6 and 3.7 GiB more temporaries (13.56, 14.69 GiB): which of the two
-a chip runs out at is not settled here; "fits" above is memory_analysis'. maxtext's estimate
-is over its compiled peak: a loop's constant is counted in the layout it is made in (the
-mask, left replicated by the ILP's completion without a budget: 8 GiB), where XLA holds it
-in the layout the loop's body first reads it in (2 GiB).
+2 GiB.
 
 Llama2-70B as configs/llama2-70b-tpu-v5e-256.yaml says (80 scanned layers, global batch 512 x
-2048, 8 key/value heads) on v5e 16x16, the same day and build, one run (6 min):
+2048, 8 key/value heads) on v5e 16x16, with gradient accumulation a choice for the zoo's
+jax.value_and_grad step (d6d1604) and fits by the heap peak, one run (25 min, beside the test
+suite on the 2 cores):
 
-    .venv/bin/python benchmarks/tpu_check.py --cases llama2-70b --time-limit 300
+    .venv/bin/python benchmarks/tpu_check.py --cases llama2-70b --time-limit 900
 
-    plan                                fits  estimate   the TPU compiler
-    searched                            NO    15.69 GiB  refused: needs 16.58 GiB
-    searched-1 (ILP budget 14.60 GiB)   NO    14.60 GiB  refused: needs 16.21 GiB
-    searched-2 (ILP budget 13.90 GiB)   NO               refused (CompileTimeHbmOom)
-    maxtext                             NO    154.84 GiB refused: needs 22.27 GiB
+    plan                                    fits  est GiB  TPU GiB  est ms    priced ms  opt_s ms
+    whole step, searched                    NO    (refused by its compiled check; not printed)
+    accumulated over 2, searched            NO    15.56    25.96 (refused)
+    accumulated over 2, ILP budget 12.66    yes   10.82    10.92    33592.24  37375.80   323.65
+    maxtext (FSDP, full remat)              NO    154.88   22.27 (refused)
 
-No program compiled, so none is priced. The search took 348 s (the ILP, proven optimal,
-and the three compiles with its two re-plans); maxtext's refusal 3 s. With the config's own
-time limit (30 s, 24 s of it the search's) the ILP was cut short under load and kept the
-FSDP seed, with no time left for its compiled check.
+The step as a whole did not fit once compiled, so the driver planned it as 2 micro-batches of
+256 x 2048; that plan's first search was refused (25.96 GiB against an estimate of 15.56: not
+yet located), its re-plan under a lower ILP budget fits with 4.8 GiB to spare and its estimate
+within 1% of the heap. No MaxText-configured program fits with the zoo's attention (it holds
+[b, heads, t, t]; MaxText's splash attention does not), so the searched plan is the only one
+that fits. The search took 1508 s, 1028 s of it TPU compiles: the 120 s the issue asks is not
+met. An earlier run without accumulation (same day): every plan refused, the searched plan
+needing 16.58 GiB.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ def _shallow(layers, **kw):
     return depth.Shallow(layers, k, (cuts[0][0], cuts[1][0]), (cuts[0][1], cuts[1][1]))
 
 
+@pytest.mark.slow  # a full compile of the deep step: make test-all
 def test_extrapolated_candidates_agree_with_the_full_compile(devices):
     """GPT at test size, 8 layers, 2x4: the searched plan and the expert plans (FSDP gathers
     per layer, 2-D splits the activations) priced from the 1- and 2-layer copies are within
@@ -134,6 +135,7 @@ search: {time_limit: 30}
 """
 
 
+@pytest.mark.slow  # a full compile of the deep step: make test-all
 def test_the_cli_prices_a_deep_zoo_step_from_shallow_copies(tmp_path, capsys, devices):
     """`shardplan search` of a 6-layer GPT: every candidate of the measured selection (and so
     every row of the table) is priced from the 1- and 2-layer copies, the notes say so, and

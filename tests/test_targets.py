@@ -125,7 +125,8 @@ def test_a_plan_over_hbm_is_never_said_to_fit(mesh2x4):
     _needs_libtpu()
     m = _mlp()
     step = shardplan.auto(m.fn, mesh=mesh2x4, hardware="tpu-v5e", cache=False,
-                          memory_budget=64 * 1024, time_limit=30, deterministic=True,
+                          memory_budget=64 * 1024, time_limit=8, deterministic=True,
+                          grad_accumulation=1,  # the step as written: one program compiled
                           state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -202,7 +203,8 @@ def test_a_program_past_hbm_is_refused_and_never_said_to_fit(mesh2x4, monkeypatc
     monkeypatch.setattr(compiled_mod, "_COMPILED", {})
     m = _mlp()
     step = shardplan.auto(m.fn, mesh=mesh2x4, hardware="tpu-v5e", cache=False,
-                          memory_budget="15GiB", time_limit=30, deterministic=True,
+                          memory_budget="15GiB", time_limit=8, deterministic=True,
+                          grad_accumulation=1,  # the step as written: one program compiled
                           state_argnums=m.state_argnums, batch_argnums=m.batch_argnums)
     with pytest.warns(UserWarning, match="refused each for want of memory"):
         plan = step.plan(*m.args)

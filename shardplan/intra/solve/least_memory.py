@@ -33,8 +33,12 @@ def _least_memory(inp: SolverInput) -> tuple[float, bool, float]:
     # the greedy choices (the last weighs memory above all) bound the least from above even
     # when the solver finds nothing in its time
     found = min(types.evaluate(inp, c)[1] for c in greedy.choices(inp))
+    # the rounds share one work budget: the time limit in CP-SAT's deterministic seconds (a
+    # deterministic search has no wall-clock deadline to stop them; tests/test_targets.py::
+    # test_a_plan_over_hbm_is_never_said_to_fit ran six rounds of a full limit each)
+    work = [float(inp.solver.time_limit)]
     while True:
-        value, exact, choice = _min_rows(rows.restrict(inp, active) if lazy else inp)
+        value, exact, choice = _min_rows(rows.restrict(inp, active) if lazy else inp, work)
         if choice is None:
             return max(value, floor), False, found
         peak = types.evaluate(inp, choice)[1]
@@ -44,15 +48,20 @@ def _least_memory(inp: SolverInput) -> tuple[float, bool, float]:
             # Optimal over a subset of the rows and fitting them all: optimal.
             return (peak, True, peak) if exact else (max(value, floor), False, found)
         active |= set(over)
-        if inp.remaining() <= 0:
+        if inp.remaining() <= 0 or work[0] <= 0:
             return max(value, floor), False, found
 
 
-def _min_rows(inp: SolverInput) -> tuple[float, bool, tuple[int, ...] | None]:
-    """(least peak over the rows of inp or a lower bound, proven, a choice reaching it)."""
+def _min_rows(inp: SolverInput, work: list[float]
+              ) -> tuple[float, bool, tuple[int, ...] | None]:
+    """(least peak over the rows of inp or a lower bound, proven, a choice reaching it),
+    searched within work[0] deterministic seconds, which it spends (work[0] decreases)."""
     model, x = cpsat.build_model(inp, minimise_memory=True)
     solver = cpsat.solver_for(inp)
+    solver.parameters.max_deterministic_time = max(0.01, min(
+        solver.parameters.max_deterministic_time, work[0]))
     status = cpsat.solve(solver, model, inp, "least memory", minimise_memory=True)
+    work[0] -= solver.response_proto.deterministic_time
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         choice = tuple(next(k for k, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
         if status == cp_model.OPTIMAL:
