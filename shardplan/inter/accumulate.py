@@ -2,9 +2,9 @@
 
 The step is cut at its gradient call (shardplan.inter.split: jax.value_and_grad, jax.grad or
 shardplan's drop-ins for them, made and called once inside the step, as the zoo, flax and
-optax steps write it; shardplan.grad.routing_jax_gradients). What comes before the call and depends on
-the state only (the differentiated arguments, casts of the parameters) runs once; the loss
-function and its gradient run as a `jax.lax.scan` over M micro-batches of the batch
+optax steps write it; shardplan.grad.routing_jax_gradients). What comes before the call and
+depends on the state only (the differentiated arguments, casts of the parameters) runs once;
+the loss function and its gradient run as a `jax.lax.scan` over M micro-batches of the batch
 arguments, the loss, aux outputs and gradients summed in accumulators of at least float32;
 the update (the rest of the step) runs once on the reduced values. The result is an ordinary
 step with a scan, which the planner plans like any other (its body once, M trips).
