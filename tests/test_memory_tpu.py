@@ -45,17 +45,15 @@ CASES = {
     "mlp": ("mlp", "tiny", {**BF16, "width": 4096, "num_layers": 4, "batch_size": 65536}),
 }
 # Where the model is not yet within 10% (measured on libtpu 0.0.42.1, estimate / heap peak):
-# the MLP's relu is fused into the dot before it, whose fusion writes both the pre-activation
-# and the relu (the model recomputes the relu in its readers); llama's and the MoE's
-# over-estimates are not yet located.
+# the loss's softmax exp over the vocabulary, which the model holds from the forward to the
+# backward (a reduction reads it), the TPU compiler recomputes in the backward; the rest of
+# llama's and the MoE's over-estimates is not yet located.
 GAPS = {
     ("llama", None): "0.98 GiB estimated, 0.87 GiB compiled (1.13)",
-    ("moe", None): "1.08 GiB estimated, 0.91 GiB compiled (1.19)",
-    ("mlp", None): "relu written beside its pre-activation: 0.67 GiB estimated, 0.85 compiled",
-    ("mlp", "fsdp"): "relu written beside its pre-activation: 0.69 GiB estimated, 0.89 compiled",
+    ("moe", None): "1.15 GiB estimated, 0.91 GiB compiled (1.27)",
 }
-# make test compiles one case (about a minute); the others are slow (make test-all)
-FAST = {("gpt", None)}
+# make test compiles one case (the MLP, about 20 s); the others are slow (make test-all)
+FAST = {("mlp", None)}
 
 
 def _case(name, expert=None):
@@ -122,3 +120,40 @@ def test_xla_cpu_only_buffers_are_left_out_on_tpu():
     for cpu_only in ("counters", "broadcast for the reduction", "combined all-reduce"):
         assert cpu_only in whats["cpu"] and cpu_only not in whats["tpu"], cpu_only
     assert len(models["tpu"].virtual) > len(models["cpu"].virtual)
+
+
+def _unwritten_maxes(act):
+    """The max nodes of a 2-layer MLP's gradient step (activation `act`) and the values the
+    TPU compiler's rules leave unwritten."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.intra.memory import liveness
+
+    def loss(w, x):
+        for k in w:
+            x = act(x @ k + 1.0)
+        return x.sum()
+
+    w = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 3
+    x = jax.ShapeDtypeStruct((512, 256), jnp.float32)
+    traced = trace(jax.grad(loss), (w, x), (0,), (1,))
+    g = lift(traced.closed_jaxpr, traced.arg_info, LiftOptions())
+    readers = {}
+    for node in g.nodes:
+        for v in node.inputs:
+            readers.setdefault(v, set()).add(node.id)
+    virtual = liveness.unwritten(g, readers, set(g.outputs), compilers.TPU)
+    relus = [v for n in g.nodes if n.primitive == "max" for v in n.outputs]
+    return relus, virtual
+
+
+def test_a_relu_of_a_dot_is_written_beside_its_pre_activation_on_tpu():
+    """The dot's output fusion writes the relu (read by the next dot and the weight gradient)
+    beside the pre-activation (read by relu's gradient); the last layer's relu, which one op
+    reads, is fused into it."""
+    import jax
+
+    relus, virtual = _unwritten_maxes(jax.nn.relu)
+    assert len(relus) == 3
+    assert [v in virtual for v in relus] == [False, False, True]

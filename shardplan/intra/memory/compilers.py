@@ -32,6 +32,11 @@ class Rules:
     dots_fuse_producers: bool
     """A dot takes its operands' elementwise producers into its fusion (else they are
     written)."""
+    output_fusions: bool
+    """A relu or clamp (max/min with a constant) of a dot's output (through a bias add) is
+    fused into the dot's output fusion: where the pre-activation is read elsewhere too (relu's
+    gradient reads it) and the relu by more than one op, the fusion writes both
+    (liveness._written_beside_its_operand)."""
     recomputes: bool
     """An elementwise value (or a broadcast, reshape, slice, a generator's bits) that several
     fused ops read is recomputed in each, never written, unless a reduction reads it too (the
@@ -91,6 +96,7 @@ CPU = Rules(
     generators=frozenset({"random_bits"}),
     reductions_fuse_producers=False,
     dots_fuse_producers=False,
+    output_fusions=False,
     recomputes=False,
     shared_broadcasts=True,
     hoisted_broadcasts=True,
@@ -112,15 +118,17 @@ CPU = Rules(
 # dropout masks, the dropped attention probabilities and gelu from the pre-activation; the
 # softmax's exp, which its sum reads too, is held); it convolves any layout, assigns its
 # operands' layouts in place, reduces each gradient where it is made (an MLP's data-parallel
-# gradients: one all-reduce each, none held for the others), and its memory
-# space assignment keeps temporaries in the core's VMEM (TPU v5e: 128 MiB a core), which
-# memory_analysis leaves out of the temporaries it counts in HBM.
+# gradients: one all-reduce each, none held for the others). A relu of a dot's output is the
+# exception to recomputing: the dot's output fusion writes it beside the pre-activation.
 TPU = Rules(
     name="tpu",
     unfused=frozenset(),
     generators=frozenset(),
     reductions_fuse_producers=True,
     dots_fuse_producers=True,
+    # an MLP's relu written beside its pre-activation by the fusion of the dot before it
+    # (tests/test_memory_tpu.py's mlp cases; tests/test_memory_rules_tpu.py)
+    output_fusions=True,
     recomputes=True,
     shared_broadcasts=False,
     hoisted_broadcasts=False,

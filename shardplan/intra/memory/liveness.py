@@ -121,6 +121,34 @@ def _recomputable(graph, node, rs) -> bool:
             and not any(graph.nodes[r].primitive in REDUCTIONS for r in rs))
 
 
+# A relu or clamp: what a dot's output fusion on the TPU compiler takes in and writes.
+CLAMPS = frozenset({"max", "min"})
+BIAS_ADDS = frozenset({"add", "add_any", "sub"})
+
+
+def _written_beside_its_operand(graph, node, rs, producer, readers) -> bool:
+    """A relu (max with a constant) of a dot's output, through a bias add, that several ops
+    read, where the pre-activation is read by other ops too (relu's gradient): the TPU
+    compiler fuses the relu into the dot's output fusion, which writes both the relu and the
+    pre-activation (an MLP of width 4096 on v5e 2x4: each layer's fusion of dot, bias add
+    and max outputs the two; its next dot and its weight gradient read the relu written,
+    tests/test_memory_tpu.py's mlp cases). Elementwise ops that are not clamps (gelu, silu's
+    logistic) are recomputed in their readers, GPT's gelu measured so."""
+    if node.primitive not in CLAMPS or len(rs) < 2 or not _unary(graph, node, producer):
+        return False
+    out = max(graph.values[v].size for v in node.outputs)
+    big = [u for u in node.inputs if u in producer and graph.values[u].size >= out]
+    if len(big) != 1 or len(readers.get(big[0], ())) < 2:
+        return False
+    made = graph.nodes[producer[big[0]]]
+    if made.primitive in BIAS_ADDS and _unary(graph, made, producer):
+        inner = [u for u in made.inputs if u in producer and graph.values[u].size >= out]
+        if len(inner) != 1 or len(readers.get(inner[0], ())) != 1:
+            return False
+        made = graph.nodes[producer[inner[0]]]
+    return made.primitive == "dot_general"
+
+
 def constants(graph) -> set[int]:
     """The values computed from literals alone (no input of the step feeds them)."""
     constant: set[int] = set()
@@ -184,7 +212,8 @@ def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -
     fused ops read; or when XLA's simplifier folds it (_folded). A reduction's operand is
     written unless the compiler's reductions fuse their producers (XLA:CPU runs a reduction as
     a library fusion or a reduce-window tree that takes in no producer, or only the last one:
-    counted written, the safe side). A loop's constant is written (_loop_operand)."""
+    counted written, the safe side). A loop's constant is written (_loop_operand), and so is a
+    relu that the TPU compiler's dot output fusion writes (_written_beside_its_operand)."""
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
     fused = FUSED - rules.unfused
     takes_in = fused if rules.reductions_fuse_producers else fused - REDUCTIONS
@@ -202,7 +231,9 @@ def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -
                 len(rs) == 1 or (node.primitive in CHEAP and _unary(graph, node, producer)
                                  and not (rules.shared_broadcasts
                                           and _materialised(graph, node, rs)))
-                or (rules.recomputes and _recomputable(graph, node, rs)))
+                or (rules.recomputes and _recomputable(graph, node, rs))) and not (
+                rules.output_fusions and _written_beside_its_operand(
+                    graph, node, rs, producer, readers))
             if (fused_in or _folded(graph, node, v, rs, constant, readers)) and not (
                     _loop_operand(graph, node, rs)):
                 virtual.add(v)
