@@ -52,7 +52,8 @@ def gpt_step(batch=8):
     return step, (params, opt.init(params), data)
 
 
-@pytest.mark.parametrize("num_stages,schedule", [(4, "1f1b"), (4, "gpipe")])
+@pytest.mark.parametrize("num_stages,schedule", [
+    (4, "1f1b"), pytest.param(4, "gpipe", marks=pytest.mark.slow)])
 def test_gpt_pipeline_equals_the_single_device_step(mesh2x4, num_stages, schedule):
     # 4 stages (2 once left the last holding only the loss, which reads no embedding) and
     # batch 256: enough compute per layer that every stage gets some (at a small batch the

@@ -92,6 +92,7 @@ def _lm_batch():
     return ids, jnp.roll(ids, -1, axis=1)
 
 
+@pytest.mark.slow  # 30 s; test_nnx_vmap_scan and test_models_scan keep scanned layers in make test
 def test_linen_scan_remat_lm(mesh2x4):
     model = LinenLM()
     ids, labels = _lm_batch()

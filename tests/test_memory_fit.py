@@ -241,6 +241,7 @@ def test_re_plans_and_their_compiles_end_within_the_time_limit(mesh2x4, monkeypa
     assert len(calls) < 1 + select.RECALIBRATIONS, calls  # a re-plan was left out
 
 
+@pytest.mark.slow  # 25 s
 def test_a_kernel_read_whole_in_the_backward_is_held_whole_from_the_forward(mesh2x4,
                                                                           monkeypatch):
     """Expert plans on 2x4 (FSDP, 2-D), laid out by the ILP: a kernel its forward dot reads
@@ -466,3 +467,50 @@ def test_a_layer_norms_backward_reductions_hold_their_broadcast_operands_when_la
     for b in held:
         assert b.start < backward < b.end
         assert set(b.nbytes) == {0.0, 8 * 17 * 64 * 4}  # whole or partial: held; split: not
+
+
+def test_a_stacked_weight_resharded_for_its_scan_is_held_through_the_loop():
+    """A scan's stacked input read in another layout than it is made in is resharded whole
+    before the loop and passed into it, held to the loop's end (the TPU compiler, Llama2-70B
+    on 16x16: each stacked weight, cast to bf16, gathered over `data` for all 80 layers at
+    once, 9 GiB a chip held through the loops, where the model held the copy only where the
+    loop slices it)."""
+    import jax.numpy as jnp
+
+    from shardplan.cost.model import AlphaBetaCost
+    from shardplan.intra.problem import Problem
+    from shardplan.intra.settings import IntraOptions
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws.astype(jnp.bfloat16))
+        return jnp.sum(h)
+
+    def step(ws, x):
+        return ws - 0.1 * jax.grad(loss)(ws, x)
+
+    args = (jnp.ones((4, 16, 16)), jnp.ones((64, 16), jnp.bfloat16))
+    traced = trace(step, args, (0,), (1,))
+    graph = lift(traced.closed_jaxpr, traced.arg_info)
+    mesh = MeshShape(("d",), (8,))
+    problem = Problem(graph, mesh, AlphaBetaCost(mesh, get_profile("cpu")), IntraOptions())
+    model = problem.memory()
+    cast = next(n for n in graph.nodes if n.primitive == "convert_element_type"
+                and n.inputs[0] == graph.inputs[0])
+    stack = cast.outputs[0]
+    reads = [n for n in graph.nodes if n.primitive == "loop_slice" and n.inputs[0] == stack]
+    assert len(reads) == 2  # the forward loop and the backward one
+    n_in = problem.num_inputs
+    rc = problem.groups.root[n_in + cast.id]
+    split = next(k for k in range(len(problem.strategies[rc]))
+                 if problem.out_spec(n_in + cast.id, 0, k).dims[1])  # split by rows
+    for read in reads:
+        loop = graph.loops[read.loop]
+        end = max(model.pos[n] for n in [*loop.bodies[-1].nodes, *loop.leave])
+        assert end > model.pos[read.id]
+        rr = problem.groups.root[n_in + read.id]
+        assert rr != rc
+        whole = next(k for k in range(len(problem.strategies[rr]))
+                     if not any(problem.in_spec(n_in + read.id, 0, k).dims))
+        copy = next(c for c in model.copies if c.b == rr and c.what.startswith(
+            f"reshard of v{stack} for loop_slice") and c.key_a[split] != c.key_b[whole])
+        assert copy.start == model.pos[read.id] and copy.end >= end

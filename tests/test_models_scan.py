@@ -178,6 +178,7 @@ def _layer_specs(plan, layer_key: str, stacked: bool) -> dict[str, P]:
 # what the split saves, and with it charged both split every moment.
 
 
+@pytest.mark.slow  # 20 s
 def test_scanned_and_unrolled_gpt_plan_the_same_specs_per_layer():
     _, unrolled, _ = _plan(False)
     _, scanned, _ = _plan(True, remat=False)

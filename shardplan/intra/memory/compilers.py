@@ -33,14 +33,15 @@ class Rules:
     """A dot takes its operands' elementwise producers into its fusion (else they are
     written)."""
     output_fusions: bool
-    """A relu or clamp (max/min with a constant) of a dot's output (through a bias add) is
-    fused into the dot's output fusion: where the pre-activation is read elsewhere too (relu's
-    gradient reads it) and the relu by more than one op, the fusion writes both
-    (liveness._written_beside_its_operand)."""
+    """An elementwise value of a dot's output (a bias add and relu or gelu) that two or more
+    dots read is written by the dot's output fusion, beside the pre-activation its gradient
+    reads (liveness._written_for_its_dots), not recomputed in the dots' operand fusions."""
     recomputes: bool
     """An elementwise value (or a broadcast, reshape, slice, a generator's bits) that several
-    fused ops read is recomputed in each, never written, unless a reduction reads it too (the
-    reduction's fusion writes it as a second output); else only cheap unary ops are."""
+    fused ops read is recomputed in each, never written, unless a reduction reads it too and
+    so does another op of the same pass (the reduction's fusion writes it as a second output;
+    one the backward pass alone reads besides is recomputed there: liveness._recomputable);
+    else only cheap unary ops are."""
     shared_broadcasts: bool
     """A broadcast that several ops read is written once and kept from its first read to its
     last (else it is fused into each reader, never written)."""
@@ -115,19 +116,20 @@ CPU = Rules(
 # The TPU compiler (libtpu): it fuses the generator (threefry is elementwise on an iota), the
 # producers of a reduction and of a dot's operands into their readers, and recomputes an
 # elementwise value in every fusion that reads it (a GPT's backward pass recomputes its
-# dropout masks, the dropped attention probabilities and gelu from the pre-activation; the
-# softmax's exp, which its sum reads too, is held); it convolves any layout, assigns its
-# operands' layouts in place, reduces each gradient where it is made (an MLP's data-parallel
-# gradients: one all-reduce each, none held for the others). A relu of a dot's output is the
-# exception to recomputing: the dot's output fusion writes it beside the pre-activation.
+# dropout masks and the loss's softmax exp from the logits; the attention's exp, which its
+# sum and its normalising divide read, is held), but for an activation of a dot's output that
+# two dots read (the next layer's and its weight gradient's), which the dot's output fusion
+# writes beside the pre-activation; it convolves any layout, assigns its operands' layouts in
+# place, and reduces each gradient where it is made (an MLP's data-parallel gradients: one
+# all-reduce each, none held for the others).
 TPU = Rules(
     name="tpu",
     unfused=frozenset(),
     generators=frozenset(),
     reductions_fuse_producers=True,
     dots_fuse_producers=True,
-    # an MLP's relu written beside its pre-activation by the fusion of the dot before it
-    # (tests/test_memory_tpu.py's mlp cases; tests/test_memory_rules_tpu.py)
+    # an MLP's relu and a GPT's gelu written beside their pre-activations by the fusion of
+    # the dot before them (tests/test_memory_tpu.py)
     output_fusions=True,
     recomputes=True,
     shared_broadcasts=False,

@@ -114,39 +114,59 @@ RECOMPUTED = frozenset({"elementwise", "broadcast", "reshape", "squeeze", "trans
                         "rev", "iota", "random", "random_bits"})
 
 
+def _backward(node) -> bool:
+    """A node of the backward pass (jax names what it transposes `transpose(...)`)."""
+    return "transpose(" in node.name
+
+
 def _recomputable(graph, node, rs) -> bool:
     """An elementwise value (or a reshape of one...) that no reduction reads: recomputed in
-    every fusion that reads it (a reduction's fusion writes what it shares with others)."""
-    return (primitives.info(node.primitive).family in RECOMPUTED
-            and not any(graph.nodes[r].primitive in REDUCTIONS for r in rs))
-
-
-# A relu or clamp: what a dot's output fusion on the TPU compiler takes in and writes.
-CLAMPS = frozenset({"max", "min"})
-BIAS_ADDS = frozenset({"add", "add_any", "sub"})
-
-
-def _written_beside_its_operand(graph, node, rs, producer, readers) -> bool:
-    """A relu (max with a constant) of a dot's output, through a bias add, that several ops
-    read, where the pre-activation is read by other ops too (relu's gradient): the TPU
-    compiler fuses the relu into the dot's output fusion, which writes both the relu and the
-    pre-activation (an MLP of width 4096 on v5e 2x4: each layer's fusion of dot, bias add
-    and max outputs the two; its next dot and its weight gradient read the relu written,
-    tests/test_memory_tpu.py's mlp cases). Elementwise ops that are not clamps (gelu, silu's
-    logistic) are recomputed in their readers, GPT's gelu measured so."""
-    if node.primitive not in CLAMPS or len(rs) < 2 or not _unary(graph, node, producer):
+    every fusion that reads it (a reduction's fusion writes what it shares with others). But
+    a forward value that a reduction reads and, beside it, only the backward pass: recomputed
+    there, not written (the loss's softmax exp over the vocabulary, which its sum reads: the
+    TPU compiler recomputes it from the logits in the backward, the MoE of
+    tests/test_memory_tpu.py on v5e 2x4; the attention's exp, which the normalising divide
+    reads in the forward too, is written)."""
+    if primitives.info(node.primitive).family not in RECOMPUTED:
         return False
-    out = max(graph.values[v].size for v in node.outputs)
-    big = [u for u in node.inputs if u in producer and graph.values[u].size >= out]
-    if len(big) != 1 or len(readers.get(big[0], ())) < 2:
-        return False
-    made = graph.nodes[producer[big[0]]]
-    if made.primitive in BIAS_ADDS and _unary(graph, made, producer):
-        inner = [u for u in made.inputs if u in producer and graph.values[u].size >= out]
-        if len(inner) != 1 or len(readers.get(inner[0], ())) != 1:
+    others = [graph.nodes[r] for r in rs if graph.nodes[r].primitive not in REDUCTIONS]
+    if len(others) == len(rs):
+        return True
+    return bool(others) and not _backward(node) and all(map(_backward, others))
+
+
+def _dot_made(graph, node, producer, depth: int = 16) -> bool:
+    """Whether `node` is an elementwise op on one dot's output alone: each of its operands of
+    its size (not a broadcast) is that dot's output or, through elementwise ops, made from it
+    alone (a bias add, a relu, gelu's x * cdf(x)), what the TPU compiler fuses into the dot's
+    output fusion. A mask made from an iota, a second dot (SwiGLU's gate times up) or a
+    reduction's result breaks it."""
+    dots: set[int] = set()
+
+    def walk(n, d) -> bool:
+        if n.primitive == "dot_general":
+            dots.add(n.id)
+            return len(dots) == 1
+        if d == 0 or primitives.info(n.primitive).family != "elementwise":
             return False
-        made = graph.nodes[producer[inner[0]]]
-    return made.primitive == "dot_general"
+        out = max(graph.values[v].size for v in n.outputs)
+        big = [u for u in n.inputs if not graph.values[u].is_literal
+               and graph.values[u].size >= out]
+        return bool(big) and all(
+            u in producer and graph.nodes[producer[u]].primitive != "broadcast_in_dim"
+            and walk(graph.nodes[producer[u]], d - 1) for u in big)
+    return walk(node, depth)
+
+
+def _written_for_its_dots(graph, node, rs, producer) -> bool:
+    """An elementwise value of one dot's output (_dot_made) that two or more dots read (the
+    next layer's dot and its weight gradient's dot in the backward): the TPU compiler writes
+    it as a second output of the dot's output fusion, beside the pre-activation its gradient
+    reads, rather than recompute it in each dot's operand fusion. v5e 2x4
+    (tests/test_memory_tpu.py): an MLP's fusion of dot, bias add and relu writes the relu
+    and the pre-activation; GPT's of dot, bias add and gelu the gelu and the pre-activation."""
+    return (sum(graph.nodes[r].primitive == "dot_general" for r in rs) >= 2
+            and _dot_made(graph, node, producer))
 
 
 def constants(graph) -> set[int]:
@@ -213,7 +233,7 @@ def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -
     written unless the compiler's reductions fuse their producers (XLA:CPU runs a reduction as
     a library fusion or a reduce-window tree that takes in no producer, or only the last one:
     counted written, the safe side). A loop's constant is written (_loop_operand), and so is a
-    relu that the TPU compiler's dot output fusion writes (_written_beside_its_operand)."""
+    value that several dots read on the TPU compiler (_written_for_its_dots)."""
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
     fused = FUSED - rules.unfused
     takes_in = fused if rules.reductions_fuse_producers else fused - REDUCTIONS
@@ -232,8 +252,7 @@ def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -
                                  and not (rules.shared_broadcasts
                                           and _materialised(graph, node, rs)))
                 or (rules.recomputes and _recomputable(graph, node, rs))) and not (
-                rules.output_fusions and _written_beside_its_operand(
-                    graph, node, rs, producer, readers))
+                rules.output_fusions and _written_for_its_dots(graph, node, rs, producer))
             if (fused_in or _folded(graph, node, v, rs, constant, readers)) and not (
                     _loop_operand(graph, node, rs)):
                 virtual.add(v)
