@@ -1,6 +1,6 @@
 """The memory model against the TPU compiler: each model's searched plan and expert plans on
-compile-only TPU v5e chips (2x4), the estimate set against the TPU compiler's memory_analysis
-peak (argument + output + temp - alias). Needs libtpu (`pip install "jax[tpu]==<jax>"`).
+compile-only TPU v5e chips (2x4), the estimate set against the TPU compiler's heap peak
+(memory_analysis' peak_memory_in_bytes, what it refuses programs by: analysis/hlo.py). Needs libtpu (`pip install "jax[tpu]==<jax>"`).
 
     .venv/bin/python benchmarks/memory_tpu.py                     # the investigation's cases
     .venv/bin/python benchmarks/memory_tpu.py --cases gpt-256 --experts fsdp --top 12
@@ -114,10 +114,9 @@ def run_case(name, model, size, overrides, experts, top, mesh_shape=(2, 4), verb
 
 
 def peak(mem) -> int:
-    """memory_analysis' peak per device: argument + output + temp - alias (as
-    shardplan.analysis.hlo.analyze reads it)."""
-    return (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes)
+    """memory_analysis' peak per device: the TPU compiler's heap peak (as
+    shardplan.analysis.hlo.analyze reads it on TPU)."""
+    return int(mem.peak_memory_in_bytes)
 
 
 def _top(problem, chosen, n):
