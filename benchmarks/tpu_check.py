@@ -113,6 +113,37 @@ within 1% of the heap. No MaxText-configured program fits with the zoo's attenti
 that fits. The search took 1508 s, 1028 s of it TPU compiles: the 120 s the issue asks is not
 met. An earlier run without accumulation (same day): every plan refused, the searched plan
 needing 16.58 GiB.
+
+Measured 2026-11-29, after the TPU rules of d6bad1c (an activation two dots read written
+beside its pre-activation; the loss's exp recomputed in the backward; a scan's stacked input
+resharded for its loop held to the loop's end), the same command, one run: no plan fits.
+
+    plan                                    fits  est GiB  TPU GiB
+    whole step, searched                    NO    15.73    16.58 (refused)
+    whole step, ILP budget 14.65            NO    14.64    16.21 (refused)
+    whole step, ILP budget 13.94            NO    -        (refused: CompileTimeHbmOom)
+    maxtext (FSDP, full remat)              NO    154.88   22.27 (refused)
+
+The step as a whole now looks to fit by the model (its exp over the 32000-word vocabulary no
+longer held), so its three compiles (598 s in all) come first, and the 2 micro-batches tried
+after them did not fit either (run on their own, grad_accumulation=2: refused, needing 18.49
+GiB). Where the model misses, each read by compiling the plan for v5p
+16x16 (95 GiB of HBM: the refused programs compile, 46-94 s, and dump their buffers;
+/tmp-only probes, not in this file):
+
+    plan                                  est GiB  v5p heap GiB  est/heap
+    accumulated over 2, before d6bad1c    14.33    25.38         0.56   stacked weights gathered
+                                                                        for all 80 layers, held
+    accumulated over 2, after             15.64    19.12         0.82
+    whole step, after                     15.73    17.32         0.91   the attention backward's
+                                                                        f32 [b, heads, t, t]
+
+Each re-plan under a tighter ILP budget lands on a plan whose estimate errs by its own amount
+(0.64 to 0.95 at this size), so two recalibrations do not converge on a plan that fits within
+the 900 s; session 20's fitting plan (10.82 against 10.92 GiB) was one such landing. What is
+left: the attention backward's [b, heads, t, t] buffers (the zoo has no flash attention) and
+the accumulated gradients' carry layout (f32 [80, 8192, 1024] stacks of 2.5 GiB a chip in the
+v5p dump, which the model holds sharded).
 """
 
 from __future__ import annotations
