@@ -295,21 +295,12 @@ class MemoryModel:
             return max([self.pos[m - n_in], *(self.last[o] for o in g.nodes[m - n_in].outputs
                                               if o in self.virtual and o in self.last)])
 
-        # A scan's stacked input read in another layout than it is made in is resharded whole
-        # before the loop and passed into it: the copy is held to the loop's end, not just at
-        # its slicing (Llama2-70B on 16x16 with f32 weights, layers scanned: each stacked
-        # weight gathered over `data` for all 80 layers at once, 9 GiB a chip held through
-        # the forward and the backward loops, tests/test_memory_fit.py::
-        # test_a_stacked_weight_resharded_for_its_scan_is_held_through_the_loop).
-        loop_end = {}
-        for loop in g.loops:
-            members = [n for b in loop.bodies for n in b.nodes] + list(loop.leave)
-            loop_end[loop.id] = max((self.pos[n] for n in members), default=0)
+        ends = liveness.loop_ends(g, self.pos)
 
-        def held_to(m):  # the last moment reader m needs a copy made for it
+        def held_to(m):  # the last moment reader m needs a copy made for it (loop_ends)
             reader = g.nodes[m - n_in]
             if reader.primitive == "loop_slice" and reader.loop is not None:
-                return max(self.pos[m - n_in], loop_end[reader.loop])
+                return max(self.pos[m - n_in], ends[reader.loop])
             return self.pos[m - n_in]
 
         for v in sorted(readers):
