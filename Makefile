@@ -16,11 +16,11 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 test-all: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -n 2 tests
 
 demo: $(STAMP)
 	$(VENV)/bin/shardplan search configs/demo.yaml --out demo-out
