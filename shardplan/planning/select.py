@@ -54,6 +54,11 @@ MARGIN = 1e-3
 RECALIBRATIONS = 2
 # The share of the time limit the search gets when a compiled check of its memory follows.
 CHECK_SHARE = 0.8
+# A re-plan leaves this many times the first compile's seconds for its own plan's compile: a
+# re-planned program compiled 11% slower than the first idle, more beside other work (the
+# re-plan test ran 7.3 s idle and 8.5 s in CI under a 7 s limit with 1x;
+# tests/test_memory_fit.py::test_re_plans_and_their_compiles_end_within_the_time_limit).
+COMPILE_RESERVE = 1.3
 
 
 def checks_memory(job: Job) -> bool:
@@ -111,7 +116,7 @@ def select(job: Job, plan: Plan, *,
 
     def replan(ilp_budget: float) -> Plan:
         # the re-plan and the compile of its plan end by the time limit
-        left = job.deadline.limit_s - job.deadline.elapsed() - compile_s
+        left = job.deadline.limit_s - job.deadline.elapsed() - COMPILE_RESERVE * compile_s
         if left <= 0:
             raise SearchTimeout(o.time_limit, "no time left to re-plan and compile")
         counts["planned"] += 1
