@@ -434,7 +434,6 @@ class Problem:
         if budget is not None:
             memory = self.memory()
             base, rows, copies, row_copies = memory.solver_terms(self.index)
-            budget += memory.on_chip_allowance  # the rows count what the chip holds on chip
         return types.SolverInput(node_costs, edge_list, rows, budget, self.options.solver,
                                hint=(0,) * len(self.reps) + (1,) * len(switch_costs)
                                + (0,) * len(loss_costs),

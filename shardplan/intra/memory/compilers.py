@@ -33,9 +33,10 @@ class Rules:
     """A dot takes its operands' elementwise producers into its fusion (else they are
     written)."""
     output_fusions: bool
-    """An elementwise value of a dot's output (a bias add and relu or gelu) that two or more
-    dots read is written by the dot's output fusion, beside the pre-activation its gradient
-    reads (liveness._written_for_its_dots), not recomputed in the dots' operand fusions."""
+    """A value two or more dots read is written, not recomputed in the dots' operand fusions,
+    when it is an elementwise value of a dot's output (a bias add and relu or gelu: written
+    by the dot's output fusion beside the pre-activation its gradient reads) or made by a
+    costly op (attention's probabilities): dot_operands.written."""
     recomputes: bool
     """An elementwise value (or a broadcast, reshape, slice, a generator's bits) that several
     fused ops read is recomputed in each, never written, unless a reduction reads it too and
@@ -53,14 +54,14 @@ class Rules:
     """A convolution's operand laid out otherwise than NHWC / HWIO is copied transposed."""
     layout_copies: bool
     """A gathered operand of a dot is copied once more into the layout the dot reads."""
+    hoisted_stack_converts: bool
+    """A scan's stacked input whose slice the body casts to a narrower float (f32 weights to
+    bf16) is cast whole before the loop and the cast held to the last loop slicing it."""
     holds_gradients: bool
     """The gradients a plan reduces are held for one combined all-reduce after the last of
     them (intra/memory/gradient_holds.py), else each is reduced where it is made."""
     small_temps: float
     """Bytes of scalars the temp allocation holds that the model does not list."""
-    on_chip_bytes: float
-    """Bytes of temporaries the compiler keeps in on-chip memory, which memory_analysis' device
-    memory does not count: the live temporaries past this are what it counts."""
     tiled: bool
     """Arrays are stored in tiles (tiled_bytes): a shard's last dimension padded to 128
     elements, the one before it to 32 bytes' worth of rows (8 of f32, 16 of bf16)."""
@@ -104,12 +105,12 @@ CPU = Rules(
     reduction_broadcasts=True,
     conv_layout_copies=True,
     layout_copies=True,
+    hoisted_stack_converts=False,
     holds_gradients=True,
     # the scalars XLA:CPU's temp allocation holds (a partial sum and its all-reduced copy,
     # loop counters, the offsets of 16-byte alignment): 16 bytes measured on a one-op step
     # (tests/test_fuzz_plans.py), kept with room
     small_temps=64.0,
-    on_chip_bytes=0.0,
     tiled=False,
 )
 
@@ -137,13 +138,15 @@ TPU = Rules(
     reduction_broadcasts=False,
     conv_layout_copies=False,
     layout_copies=False,
+    # Llama2-7B and 70B, layers scanned (benchmarks/tpu_check.py): each f32 stacked weight
+    # cast to bf16 whole before the forward scan, held through the backward one
+    hoisted_stack_converts=True,
     holds_gradients=False,
-    small_temps=0.0,
     # the TPU compiler's heap peak (analysis/hlo.py ProgramStats.peak_bytes, what it refuses
     # programs by) counts the buffers its memory space assignment places in a core's VMEM
     # too (color 1 in its buffer assignment: x @ x of a 2048 x 2048 f32 holds 16 MiB there):
-    # nothing is taken off (tests/test_memory_tpu.py)
-    on_chip_bytes=0.0,
+    # nothing is left out (tests/test_memory_tpu.py)
+    small_temps=0.0,
     tiled=True,
 )
 

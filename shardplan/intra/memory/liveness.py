@@ -9,7 +9,8 @@ import heapq
 import numpy as np
 
 from shardplan.cost.model import FUSED
-from shardplan.intra.memory import compilers
+from shardplan.intra.memory import compilers, dot_operands
+from shardplan.intra.memory.dot_operands import backward
 from shardplan.ir import primitives
 
 
@@ -30,12 +31,20 @@ def schedule(graph, unwritten: frozenset[int] = frozenset(),
             if v in producer:
                 readers.setdefault(v, set()).add(node.id)
     pinned = set(graph.outputs)
-    waiting = [len({producer[v] for v in node.inputs if v in producer}) for node in nodes]
+    # A loop's results wait for its body: a loop_result reads the carry as it enters (the
+    # graph's one iteration), but XLA's while loop hands its results on after the last
+    # iteration. Without this the backward scan's body ran beside the forward's (Llama2-70B's
+    # memory model peaked with both scans' attention live at once).
+    after = {node.id: {producer[v] for v in node.inputs if v in producer} for node in nodes}
+    for loop in graph.loops:
+        body = {i for b in loop.bodies for i in b.nodes}
+        for i in loop.leave:
+            after[i] |= body
+    waiting = [len(after[node.id]) for node in nodes]
     dependents: dict[int, set[int]] = {}
-    for node in nodes:
-        for v in node.inputs:
-            if v in producer:
-                dependents.setdefault(producer[v], set()).add(node.id)
+    for j, before in after.items():
+        for i in before:
+            dependents.setdefault(i, set()).add(j)
     left = {v: len(r) for v, r in readers.items()}
     # per node: the bytes it writes, and its operands that its run may free with their bytes
     made = [sum(graph.values[v].nbytes for v in node.outputs
@@ -114,11 +123,6 @@ RECOMPUTED = frozenset({"elementwise", "broadcast", "reshape", "squeeze", "trans
                         "rev", "iota", "random", "random_bits"})
 
 
-def _backward(node) -> bool:
-    """A node of the backward pass (jax names what it transposes `transpose(...)`)."""
-    return "transpose(" in node.name
-
-
 def _recomputable(graph, node, rs) -> bool:
     """An elementwise value (or a reshape of one...) that no reduction reads: recomputed in
     every fusion that reads it (a reduction's fusion writes what it shares with others). But
@@ -132,41 +136,16 @@ def _recomputable(graph, node, rs) -> bool:
     others = [graph.nodes[r] for r in rs if graph.nodes[r].primitive not in REDUCTIONS]
     if len(others) == len(rs):
         return True
-    return bool(others) and not _backward(node) and all(map(_backward, others))
+    return bool(others) and not backward(node) and all(map(backward, others))
 
 
-def _dot_made(graph, node, producer, depth: int = 16) -> bool:
-    """Whether `node` is an elementwise op on one dot's output alone: each of its operands of
-    its size (not a broadcast) is that dot's output or, through elementwise ops, made from it
-    alone (a bias add, a relu, gelu's x * cdf(x)), what the TPU compiler fuses into the dot's
-    output fusion. A mask made from an iota, a second dot (SwiGLU's gate times up) or a
-    reduction's result breaks it."""
-    dots: set[int] = set()
-
-    def walk(n, d) -> bool:
-        if n.primitive == "dot_general":
-            dots.add(n.id)
-            return len(dots) == 1
-        if d == 0 or primitives.info(n.primitive).family != "elementwise":
-            return False
-        out = max(graph.values[v].size for v in n.outputs)
-        big = [u for u in n.inputs if not graph.values[u].is_literal
-               and graph.values[u].size >= out]
-        return bool(big) and all(
-            u in producer and graph.nodes[producer[u]].primitive != "broadcast_in_dim"
-            and walk(graph.nodes[producer[u]], d - 1) for u in big)
-    return walk(node, depth)
-
-
-def _written_for_its_dots(graph, node, rs, producer) -> bool:
-    """An elementwise value of one dot's output (_dot_made) that two or more dots read (the
-    next layer's dot and its weight gradient's dot in the backward): the TPU compiler writes
-    it as a second output of the dot's output fusion, beside the pre-activation its gradient
-    reads, rather than recompute it in each dot's operand fusion. v5e 2x4
-    (tests/test_memory_tpu.py): an MLP's fusion of dot, bias add and relu writes the relu
-    and the pre-activation; GPT's of dot, bias add and gelu the gelu and the pre-activation."""
-    return (sum(graph.nodes[r].primitive == "dot_general" for r in rs) >= 2
-            and _dot_made(graph, node, producer))
+def literal_broadcasts(graph) -> set[int]:
+    """The broadcasts of a literal (attention's -inf): made in each reader's layout, fused
+    into it, never resharded (Llama2-70B's rematerialized backward on 16x16 was counted a
+    2 GiB copy of one; tests/test_intra_liveness.py::
+    test_a_broadcast_literal_is_never_resharded)."""
+    return {v for node in graph.nodes if node.primitive == "broadcast_in_dim"
+            and all(graph.values[u].is_literal for u in node.inputs) for v in node.outputs}
 
 
 def constants(graph) -> set[int]:
@@ -233,7 +212,7 @@ def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -
     written unless the compiler's reductions fuse their producers (XLA:CPU runs a reduction as
     a library fusion or a reduce-window tree that takes in no producer, or only the last one:
     counted written, the safe side). A loop's constant is written (_loop_operand), and so is a
-    value that several dots read on the TPU compiler (_written_for_its_dots)."""
+    value that several dots read on the TPU compiler (dot_operands.written)."""
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
     fused = FUSED - rules.unfused
     takes_in = fused if rules.reductions_fuse_producers else fused - REDUCTIONS
@@ -252,7 +231,7 @@ def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -
                                  and not (rules.shared_broadcasts
                                           and _materialised(graph, node, rs)))
                 or (rules.recomputes and _recomputable(graph, node, rs))) and not (
-                rules.output_fusions and _written_for_its_dots(graph, node, rs, producer))
+                rules.output_fusions and dot_operands.written(graph, node, rs, producer, readers))
             if (fused_in or _folded(graph, node, v, rs, constant, readers)) and not (
                     _loop_operand(graph, node, rs)):
                 virtual.add(v)
@@ -277,14 +256,38 @@ def lifetimes(graph, pos, readers, outputs, virtual=None
     read moves to the value's."""
     if virtual is None:
         virtual = unwritten(graph, readers, outputs)
+    ends = loop_ends(graph, pos)
+    parent = {loop.id: loop.parent for loop in graph.loops}
+
+    def chain(loop):  # the loops around a node, innermost first
+        out = []
+        while loop is not None:
+            out.append(loop)
+            loop = parent[loop]
+        return out
+
     last: dict[int, int] = {}
     for node in reversed(graph.nodes):
+        around = set(chain(node.loop))
         for v in node.outputs:
-            rs = readers.get(v, ())
-            if rs:
-                last[v] = max(max(pos[r] for r in rs),
-                              max((last[o] for r in rs for o in graph.nodes[r].outputs
-                                   if o in virtual), default=0))
+            # A scan writes each row of its stacked output in place: the row is no buffer
+            # beyond the stack's (tests/test_intra_liveness.py::
+            # test_a_scans_inputs_are_held_through_its_loop_and_its_rows_written_in_place)
+            rs = [r for r in readers.get(v, ()) if graph.nodes[r].primitive not in STACKED]
+            if not readers.get(v):
+                continue
+            at = [pos[node.id]]
+            for r in rs:
+                at.append(pos[r])
+                # read in a loop it is made outside of (a loop's constant, a scan's stacked
+                # input; not a carry's initial value, which the loop's carry takes over): read
+                # again each iteration, so held to the outermost such loop's end
+                if graph.nodes[r].primitive != "loop_carry":
+                    outer = [lp for lp in chain(graph.nodes[r].loop) if lp not in around]
+                    if outer:
+                        at.append(ends[outer[-1]])
+                at.extend(last[o] for o in graph.nodes[r].outputs if o in virtual and o in last)
+            last[v] = max(at)
     return virtual, last
 
 

@@ -26,12 +26,11 @@ It follows what `compiled.memory_analysis()` counts (argument + output + temp - 
   by XLA's combined all-reduce (a scattered one too) are held until it runs, and its results
   are live with them; a later dot shares the copy an earlier reader holds when their layouts
   are one; a convolution's operand laid out otherwise than NHWC/HWIO is copied transposed.
-  The TPU compiler (measured on its memory_analysis, benchmarks/memory_tpu.py and
-  tests/test_memory_tpu.py) keeps bf16 narrow, fuses the generator and every elementwise
-  value into its readers (dots and reductions too) and recomputes it there unless a reduction
-  reads it, reduces each gradient where it is made, and keeps temporaries in its cores' VMEM,
-  which memory_analysis does not count: none of XLA:CPU's rules above but the hoisted
-  gathers, the stacked ys and the fan-out copies.
+  The TPU compiler (its heap peak: tests/test_memory_tpu.py, benchmarks/tpu_check.py) keeps
+  bf16 narrow, fuses the generator and each elementwise value into its readers (dots and
+  reductions too), recomputed there but where liveness.unwritten says, reduces each gradient
+  where it is made and casts a scan's stacked weights before it (stack_casts.py): none of
+  XLA:CPU's rules above but the hoisted gathers, the stacked ys and the fan-out copies.
 What remains (XLA's heap gaps, the rest of its schedule) is the margin (MARGIN).
 """
 
@@ -50,6 +49,7 @@ from shardplan.intra.memory import (
     liveness,
     masks,
     originals,
+    stack_casts,
 )
 from shardplan.intra.memory.buffers import Buffer, LiveCopy, is_tensor
 from shardplan.intra.memory.liveness import lifetimes, schedule
@@ -117,9 +117,7 @@ class MemoryModel:
         # test_schedule_is_the_list_schedule_it_defines)
         tied = frozenset(v for j, v in enumerate(g.outputs) if g.output_ties[j] is not None)
         self.pos = pos = schedule(g, frozenset(unwritten), tied)
-        self.io: set[int] = set()  # the buffers of the step's inputs and outputs
         for i, v in enumerate(g.inputs):
-            self.io.add(len(self.buffers))
             self.buffers.append(Buffer(root[i], sizes(v, i, 0, True), 0, end, f"input {i}"))
         if p.num_inputs and rules.small_temps:
             self.buffers.append(Buffer(root[0], np.full(len(p.strategies[root[0]]),
@@ -172,12 +170,10 @@ class MemoryModel:
                     continue
                 if len(ties) < len(js):
                     # An output of its own: memory_analysis counts it for the whole program.
-                    self.io.add(len(self.buffers))
                     self.buffers.append(Buffer(root[m], sizes(v, m, k, True), 0, end,
                                                f"output {js}"))
                 for t in ties:
                     if t not in donated:
-                        self.io.add(len(self.buffers))
                         self.buffers.append(Buffer(root[t], sizes(g.inputs[t], t, 0, True), 0, end,
                                                   f"output tied to undonated input {t}"))
                     # Computed in another layout than its input's, the result is a temporary.
@@ -204,6 +200,7 @@ class MemoryModel:
                 self.buffers.append(Buffer(
                     root[m], nbytes, min(self.first if v in static else end, pos[node.id]),
                     pos[node.id], f"v{v} transposed for {node.primitive} {node.name}"))
+        self.buffers += stack_casts.hoisted_casts(self, sizes, readers)
         # a broadcast operand of what a YNNPACK reduction reads, written whole (liveness.py);
         # one buffer per operand and shape (XLA merges equal broadcasts), only in the layouts
         # that leave the reduction large enough for YNNPACK
@@ -234,22 +231,17 @@ class MemoryModel:
         for mk in self.masks:
             self.copies += masks.ilp_copies(mk)
         self._add_operand_copies(lay, frozenset(counted))
-        # Temporaries the compiler keeps on chip: peak() counts the temporaries beyond them,
-        # never below the inputs and outputs alone; the ILP's rows count every buffer against
-        # the budget plus them (on_chip_allowance). A negative buffer in the rows instead
-        # made the least-memory bound negative and every budget infeasible
-        # (tests/test_targets.py::test_the_cli_names_the_tpu_compiler_and_rejects_a_slice_it_does_not_know).
-        self.on_chip_allowance = float(rules.on_chip_bytes) if p.num_inputs else 0.0
 
     def _add_operand_copies(self, lay, counted: frozenset[int]) -> None:
         p = self.problem
         g, root = p.graph, p.groups.root
         readers: dict[int, list[tuple[int, int]]] = {}
+        made_anew = liveness.literal_broadcasts(g)  # never resharded
         for node in g.nodes:
             for i, v in enumerate(node.inputs):
                 value = g.values[v]
                 if (is_tensor(value) and value.ndim > 0 and v in p.producer
-                        and v not in counted):
+                        and v not in counted and v not in made_anew):
                     readers.setdefault(v, []).append((p.num_inputs + node.id, i))
 
         # A value with a fan-out member is resharded once into the fan-out's layout, which all
@@ -438,13 +430,4 @@ class MemoryModel:
         change = np.zeros(int(ends.max()) + 2)
         np.add.at(change, starts.astype(int), sizes)
         np.add.at(change, ends.astype(int) + 1, -sizes)
-        total = np.cumsum(change)
-        if not self.on_chip_allowance:
-            return max(0.0, float(total.max()))
-        io = np.zeros_like(change)
-        for i in self.io:
-            io[items[i][0]] += items[i][2]
-            io[items[i][1] + 1] -= items[i][2]
-        io = np.cumsum(io)
-        temps = np.maximum(total - io - self.on_chip_allowance, 0.0)
-        return max(0.0, float((io + temps).max()))
+        return max(0.0, float(np.cumsum(change).max()))
