@@ -194,6 +194,11 @@ def test_a_program_past_hbm_is_refused_and_never_said_to_fit(mesh2x4, monkeypatc
             "temporaries (35.16G) exceeds available HBM (15.75G).")
     assert targets.hbm_refusal(text) == (35.16 * 2**30, 15.75 * 2**30)
     assert targets.hbm_refusal("INTERNAL: something else (3.0G)") is None
+    # its memory space assignment's refusal (Llama2-70B on v5e 16x16, libtpu 0.0.42.1)
+    oom = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran "
+           "out of memory in memory space hbm. Used 16.21G of 15.75G hbm. Exceeded hbm capacity "
+           "by 470.13M.")
+    assert targets.hbm_refusal(oom) == (16.21 * 2**30, 15.75 * 2**30)
     from shardplan.planning import compiled as compiled_mod
 
     def refuse(lowered):

@@ -223,9 +223,15 @@ def compile_mesh(hw: HardwareProfile, mesh_shape: MeshShape, device_mesh=None
 
 
 # The TPU compiler refuses a program past HBM: "RESOURCE_EXHAUSTED: Ran out of memory on HBM,
-# the total memory required for HLO temporaries (35.16G) exceeds available HBM (15.75G)."
-_HBM_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\).*?available HBM "
-                          r"\(([\d.]+)([KMGT])\)", re.DOTALL)
+# the total memory required for HLO temporaries (35.16G) exceeds available HBM (15.75G).", or,
+# when its memory space assignment runs out (Llama2-70B on v5e 16x16), "RESOURCE_EXHAUSTED:
+# E1000: CompileTimeHbmOom: ... Ran out of memory in memory space hbm. Used 16.21G of 15.75G
+# hbm."
+_HBM_REFUSALS = (
+    re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\).*?available HBM \(([\d.]+)([KMGT])\)",
+               re.DOTALL),
+    re.compile(r"RESOURCE_EXHAUSTED.*?Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm", re.DOTALL),
+)
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -233,10 +239,11 @@ def hbm_refusal(message: str) -> tuple[float, float] | None:
     """(bytes the program needs, bytes the chip has) from the TPU compiler's refusal of a
     program past HBM, or None for any other error
     (tests/test_targets.py::test_a_program_past_hbm_is_refused_and_never_said_to_fit)."""
-    m = _HBM_REFUSAL.search(message)
-    if m is None:
-        return None
-    return float(m[1]) * _UNITS[m[2]], float(m[3]) * _UNITS[m[4]]
+    for pattern in _HBM_REFUSALS:
+        m = pattern.search(message)
+        if m is not None:
+            return float(m[1]) * _UNITS[m[2]], float(m[3]) * _UNITS[m[4]]
+    return None
 
 
 # -- what XLA:CPU holds that the target would not ---------------------------------------------
