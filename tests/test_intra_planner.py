@@ -73,6 +73,40 @@ def test_under_a_budget_the_free_solve_leaves_the_seeds_a_share_of_the_time():
     assert planner._leaving_seeds_time(unbudgeted, seeds) is unbudgeted
 
 
+def test_the_seeds_share_what_the_free_solve_left(monkeypatch):
+    """An unproven free solve leaves the expert seeds their share of the time: each seed's
+    budgeted completion gets what remains over the seeds left, at least SEED_SECONDS
+    (Llama2-70B accumulated over 2 micro-batches on 16x16: its FSDP seed, held to 3 s, was
+    completed at 37.4 s a step where a 300 s search found 20.8 s)."""
+    import numpy as np
+
+    from shardplan.intra import planner
+
+    limits = []
+
+    def unproven(inp):
+        n = inp.num_nodes
+        return types.Solution(tuple(int(np.argmin(c)) for c in inp.node_costs[:n]),
+                              1.0, 0.0, False, "test")
+
+    def seeded(pinned, solver):
+        limits.append(pinned.solver.time_limit)
+        raise types.SearchTimeout(pinned.solver.time_limit, "test")
+
+    monkeypatch.setattr(planner.ilp, "solve", unproven)
+    monkeypatch.setattr(planner, "_seeded", seeded)
+    step = models.get_model("mlp", abstract=True)
+    traced = trace(step.fn, step.args, step.state_argnums, step.batch_argnums)
+    hw, _ = parse_cluster("cpu")
+    options = DEFAULTS.replace(memory_budget=2**40, time_limit=60.0,
+                               state_argnums=step.state_argnums,
+                               batch_argnums=step.batch_argnums)
+    plan_step(traced, MeshShape(("data", "model"), (2, 4)), hw, options)
+    assert len(limits) >= 2
+    assert limits[0] > 4 * planner.SEED_SECONDS  # about 60 s over the seeds
+    assert all(t >= planner.SEED_SECONDS for t in limits)
+
+
 def test_a_search_that_runs_out_names_the_callers_time_limit(monkeypatch):
     """When nothing that fits is found in time, SearchTimeout states the time limit the caller
     gave, not the share of it the free solve had (a 30 s search said "the time limit of
