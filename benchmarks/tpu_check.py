@@ -144,6 +144,37 @@ the 900 s; session 20's fitting plan (10.82 against 10.92 GiB) was one such land
 left: the attention backward's [b, heads, t, t] buffers (the zoo has no flash attention) and
 the accumulated gradients' carry layout (f32 [80, 8192, 1024] stacks of 2.5 GiB a chip in the
 v5p dump, which the model holds sharded).
+
+Measured 2026-11-29, after the loop and dot-operand rules of 01c6d44 (a loop's results after
+its body; a scan's stacked input held to its loop's end, its rows written in place; attention's
+probabilities cast to bf16 written when two dots of one pass read them; a scan's stacked
+weights cast whole before it; no reshard of a broadcast literal) and 9056af9 (the compiler's
+CompileTimeHbmOom read as a refusal), the same command, one run: the plan fits.
+
+    plan                                    fits  est GiB  TPU GiB  est ms    priced ms  opt_s ms
+    whole step, searched                    NO    -        16.21 (refused: CompileTimeHbmOom)
+    accumulated over 2, searched            yes   15.55    14.35    20796.39  24143.30   167.13
+    maxtext (FSDP, full remat)              NO    156.19   22.27 (refused)
+
+    search 293 s with its compiled checks (the 2 micro-batches' program compiled in 76 s)
+
+The step as a whole was refused once compiled (its first compile; before 9056af9 that refusal
+was returned as an unchecked plan), so the driver planned 2 micro-batches: estimate within 8%
+of the heap, 1.3 GiB to spare. The step estimate is 0.86 of the program priced (its gradients
+all-reduced whole where the plan reduce-scatters them: not yet located). Read on v5p 16x16
+with /tmp-only probes, the model's estimate of the whole step's plans against their heap moved
+from 15.73/17.32 (0.91) to 15.72/16.78 (0.94), and the model now finds no whole-step plan under
+15.75 GiB (the least found 17.73 GiB), as the compiler says. The 2 micro-batches' search held
+to 120 s (not proven) found a plan at 33.7 s a step, with 300 s one at 20.8 s: the expert
+seeds' completions, then held to 3 s each, are now given their share of the time (d2a96c6).
+No MaxText-configured program fits with the zoo's attention (it holds [b, heads, t, t]), so
+"<= MaxText's configuration" is not measured at this size: the plan is the only one that fits.
+
+Llama2-7B on v5e 4x4 after the same commits (`--cases llama2-7b`, one run): the searched plan
+estimate 14.73 GiB, heap 14.65 (1.00); step estimate 3275.06 ms, priced 3744.58 (0.87);
+MaxText's configuration fits (15.65 GiB), priced 4236.88 ms: searched / maxtext 0.884 priced,
+0.881 by optimal_seconds (0.943 and 0.916 before). The search 52 s, 45 s of it its compiled
+check.
 """
 
 from __future__ import annotations
