@@ -469,6 +469,18 @@ def test_a_layer_norms_backward_reductions_hold_their_broadcast_operands_when_la
         assert set(b.nbytes) == {0.0, 8 * 17 * 64 * 4}  # whole or partial: held; split: not
 
 
+def _stacked_weights_step(loss):
+    """(graph, mesh of 8) of an SGD step of `loss(ws, x)` over 4 stacked 16 x 16 f32 weights."""
+    import jax.numpy as jnp
+
+    def step(ws, x):
+        return ws - 0.1 * jax.grad(loss)(ws, x)
+
+    args = (jnp.ones((4, 16, 16)), jnp.ones((64, 16), jnp.bfloat16))
+    traced = trace(step, args, (0,), (1,))
+    return lift(traced.closed_jaxpr, traced.arg_info), MeshShape(("d",), (8,))
+
+
 def test_a_stacked_weight_resharded_for_its_scan_is_held_through_the_loop():
     """A scan's stacked input read in another layout than it is made in is resharded whole
     before the loop and passed into it, held to the loop's end (the TPU compiler, Llama2-70B
@@ -485,13 +497,7 @@ def test_a_stacked_weight_resharded_for_its_scan_is_held_through_the_loop():
         h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws.astype(jnp.bfloat16))
         return jnp.sum(h)
 
-    def step(ws, x):
-        return ws - 0.1 * jax.grad(loss)(ws, x)
-
-    args = (jnp.ones((4, 16, 16)), jnp.ones((64, 16), jnp.bfloat16))
-    traced = trace(step, args, (0,), (1,))
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    mesh = MeshShape(("d",), (8,))
+    graph, mesh = _stacked_weights_step(loss)
     problem = Problem(graph, mesh, AlphaBetaCost(mesh, get_profile("cpu")), IntraOptions())
     model = problem.memory()
     cast = next(n for n in graph.nodes if n.primitive == "convert_element_type"
@@ -534,13 +540,7 @@ def test_a_stacked_weight_cast_in_its_scan_is_cast_whole_before_it_on_tpu():
     def loss(ws, x):
         return jnp.sum(jax.lax.scan(jax.checkpoint(layer), x, ws)[0])
 
-    def step(ws, x):
-        return ws - 0.1 * jax.grad(loss)(ws, x)
-
-    args = (jnp.ones((4, 16, 16)), jnp.ones((64, 16), jnp.bfloat16))
-    traced = trace(step, args, (0,), (1,))
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    mesh = MeshShape(("d",), (8,))
+    graph, mesh = _stacked_weights_step(loss)
     cost = AlphaBetaCost(mesh, get_profile("cpu"))
     tpu = Problem(graph, mesh, cost, IntraOptions(compiler="tpu")).memory()
     cpu = Problem(graph, mesh, cost, IntraOptions(compiler="cpu")).memory()
