@@ -165,8 +165,10 @@ all-reduced whole where the plan reduce-scatters them: not yet located). Read on
 with /tmp-only probes, the model's estimate of the whole step's plans against their heap moved
 from 15.73/17.32 (0.91) to 15.72/16.78 (0.94), and the model now finds no whole-step plan under
 15.75 GiB (the least found 17.73 GiB), as the compiler says. The 2 micro-batches' search held
-to 120 s (not proven) found a plan at 33.7 s a step, with 300 s one at 20.8 s: the expert
-seeds' completions, then held to 3 s each, are now given their share of the time (d2a96c6).
+to 120 s (not proven) found a plan at 33.7 s a step, with 300 s one at 20.8 s. The expert
+seeds' completions, held to 3 s each, now get their share of what the free solve leaves
+(d2a96c6); held to 120 s, the free solve overran its share and left them none (33.6 s a step
+again, the seeds evaluated, not searched).
 No MaxText-configured program fits with the zoo's attention (it holds [b, heads, t, t]), so
 "<= MaxText's configuration" is not measured at this size: the plan is the only one that fits.
 
