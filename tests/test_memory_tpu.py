@@ -44,10 +44,14 @@ CASES = {
     "moe": ("moe", "tiny", {**WIDE, "ffn_dim": 2048, "expert_group_size": 1024}),
     "mlp": ("mlp", "tiny", {**BF16, "width": 4096, "num_layers": 4, "batch_size": 65536}),
 }
-# Where the model is not yet within 10% (measured on libtpu 0.0.42.1, estimate / heap peak):
-# the MoE's over-estimate is not yet located.
+# Where the model is not yet within 10% (measured on libtpu 0.0.42.1, estimate / heap peak).
+# The MoE: its live set at the peak, without the margin, is 0.99 of the sum of the buffers
+# live at the compiler's peak (benchmarks/xla_live.py on its dump), but the compiler's heap
+# holds 8% less than that sum (outputs written in place over operands that die at their
+# writer, which the model counts apart) and the margin adds 10%.
 GAPS = {
-    ("moe", None): "1.10 GiB estimated, 0.91 GiB compiled (1.21)",
+    ("moe", None): "1.10 GiB estimated, 0.91 GiB compiled (1.21): the margin and the "
+                   "compiler's in-place outputs",
 }
 # make test compiles one case (the MLP, about 20 s); the others are slow (make test-all)
 FAST = {("mlp", None)}
