@@ -118,18 +118,40 @@ _SLICES = frozenset({"dynamic-slice", "slice"})
 
 def _sliced_params(module: hlo_parse.Module, comp: str) -> dict[int, int]:
     """Parameter index -> bytes read, for the parameters of fused computation `comp` that
-    are read only through slices (a scan's layer taken from the stacked weights)."""
+    are read only through slices (a scan's layer taken from the stacked weights), directly
+    or through a pad that only slices read: the TPU compiler's windowed einsum takes each
+    step's two chunks of an operand from it padded, the pad's fill discarded, so such a
+    slice reads the parameter's share of its bytes
+    (tests/test_analysis_tpu.py::test_a_windowed_einsum_reads_its_sliced_operand_once)."""
     body = module.computations.get(comp, [])
     users = hlo_uses.Users(body)
+
+    def slices(name: str) -> list | None:
+        readers = users.direct(name)
+        ok = readers and all(r.opcode in _SLICES and _operand_names(r.operands)[0] == name
+                             for r in readers)
+        return readers if ok else None
+
     out = {}
     for i in body:
         if i.opcode != "parameter":
             continue
         readers = users.direct(i.name)
-        if readers and all(r.opcode in _SLICES and _operand_names(r.operands)[0] == i.name
-                           for r in readers):
-            out[int(i.operands)] = sum(hlo_parse.nbytes(hlo_parse.arrays(r.shape))
-                                       for r in readers)
+        read = 0.0
+        for r in readers:
+            if r.opcode in _SLICES and _operand_names(r.operands)[0] == i.name:
+                read += hlo_parse.nbytes(hlo_parse.arrays(r.shape))
+            elif (r.opcode == "pad" and _operand_names(r.operands)[0] == i.name
+                  and slices(r.name)):
+                share = (hlo_parse.nbytes(hlo_parse.arrays(i.shape))
+                         / max(1, hlo_parse.nbytes(hlo_parse.arrays(r.shape))))
+                read += share * sum(hlo_parse.nbytes(hlo_parse.arrays(x.shape))
+                                    for x in slices(r.name))
+            else:
+                read = None
+                break
+        if readers and read is not None:
+            out[int(i.operands)] = int(read)
     return out
 
 

@@ -170,7 +170,7 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
     origins = partial_origins(problem, chosen, value_specs)
 
     def reshard(value, src, dst, where, trips=1.0):
-        nonlocal comm, comm_bytes
+        nonlocal compute, comm, comm_bytes
         gone = stale.get(value.id)
         if gone:  # what XLA has summed already is read whole
             src, dst = (x.with_partial([a for a in x.partial if a not in gone])
@@ -186,6 +186,7 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
             return
         # XLA reshards a value once for all the consumers that want the same layout.
         done.add((value.id, src, dst))
+        compute += trips * problem.reshards.window_time(value, src, dst)
         comms = cost.reshard_comms(value, src, dst)
         split = [grp & set(src.partial) for grp in origins.get(value.id, ())]
         split = [tuple(a for a in src.partial if a in grp) for grp in split if grp]

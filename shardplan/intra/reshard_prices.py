@@ -7,12 +7,22 @@ price."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.ir import primitives
 from shardplan.ir.graph import Graph, Value
+from shardplan.strategies.dot import DotDims
 from shardplan.strategies.spec import MeshShape, ShardSpec
+
+# The TPU compiler runs a dot whose partial result is reduce-scattered as a windowed einsum
+# (a loop of collective-permutes, each step a dot making two chunks of the result) where its
+# contracting dimensions hold more than this many elements per device (libtpu 0.0.42.1, v5e
+# 2x4: 520 was not, 544 was; tests/test_reshard_window.py).
+WINDOW_CONTRACTING = 512
+# Ops that keep a partial sum partial when their other operands are scalars (_dot_made).
+_LINEAR = frozenset({"convert_element_type", "mul", "div", "neg", "copy", "copy_p"})
 
 
 class ReshardPrices:
@@ -45,6 +55,43 @@ class ReshardPrices:
                 self.reshard_comms(value, src, dst))
         return time
 
+    def window_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
+        """The memory time the TPU compiler's windowed einsum adds where a dot's partial sum
+        is reduce-scattered (WINDOW_CONTRACTING): over n devices it runs n/2 steps (two
+        chunks each, one per direction round the ring), and each step reads the whole of the
+        operand that does not hold the scattered dimension, which one dot reads once.
+        Compute time, not communication: the estimate adds it to compute
+        (tests/test_reshard_window.py checks it against the compiled program's contraction
+        bytes). The ILP's edges leave it out: priced there, the plans of
+        tests/test_memory_tpu.py's MLP (searched, and FSDP completed by the ILP) turned from
+        windowed reduce-scatters to all-reduces, whose heap peaks the TPU memory rules, read
+        off windowed programs, over-count by 39% and 40%."""
+        if self.cost.hardware.backend != "tpu" or not src.partial or dst.partial:
+            return 0.0
+        scattered = [(i, [a for a in d if a in src.partial]) for i, d in enumerate(dst.dims)]
+        scattered = [(i, axes) for i, axes in scattered if axes]
+        found = self._dot_made(value) if scattered else None
+        if found is None:
+            return 0.0
+        node, dims = found  # dims[i]: the dot result's dim that is value's dim i
+        scattered = [(dims[i], axes) for i, axes in scattered]
+        src = ShardSpec(tuple(src.dims[dims.index(j)] for j in range(len(dims))), src.partial)
+        lhs, rhs = (self.graph.values[v] for v in node.inputs[:2])
+        dd = DotDims.of(node.params, lhs.ndim, rhs.ndim)
+        partial = self.mesh.size(src.partial)
+        if math.prod(lhs.shape[d] for d in dd.lhs_contract) / partial <= WINDOW_CONTRACTING:
+            return 0.0
+        steps = self.mesh.size([a for _, axes in scattered for a in axes]) // 2
+        nb, nm, nn = len(dd.lhs_batch), len(dd.lhs_free), len(dd.rhs_free)
+        # the result's dims: the batch dims, the lhs's free dims, the rhs's (dot_general)
+        held = {"both" if i < nb else "lhs" if i < nb + nm else "rhs" for i, _ in scattered}
+        if steps <= 1 or len(held) != 1 or "both" in held:
+            return 0.0
+        whole, free = (rhs, range(nb + nm, nb + nm + nn)) if held == {"lhs"} else (
+            lhs, range(nb, nb + nm))
+        split = math.prod(self.mesh.size(src.dims[i]) for i in (*range(nb), *free))
+        return (steps - 1) * whole.nbytes / (partial * split) / self.cost.hardware.mem_bandwidth
+
     def whole_first(self, value: Value, src: ShardSpec, dst: ShardSpec) -> ShardSpec | None:
         """The layout a partial sum is reduced into before it is resharded to `dst`, where XLA
         does not slice it first (the primitive table's reduced_whole: the slice cannot move
@@ -63,6 +110,30 @@ class ReshardPrices:
         """Whether an op the primitive table marks reduced_whole made `value`."""
         p = self.producer.get(value.id, (0, 0))[0] - self.num_inputs
         return p >= 0 and primitives.info(self.graph.nodes[p].primitive).reduced_whole
+
+    def _dot_made(self, value: Value, depth: int = 6):
+        """(the dot_general whose result `value` is, through what keeps a partial sum
+        partial: a transpose, a cast, a product or quotient by a scalar, a negation; for each
+        of value's dims the dot result's dim it is), or None."""
+        dims = list(range(value.ndim))
+        for _ in range(depth):
+            p = self.producer.get(value.id, (0, 0))[0] - self.num_inputs
+            if p < 0:
+                return None
+            node = self.graph.nodes[p]
+            if node.primitive == "dot_general":
+                return node, dims
+            same = [u for u in node.inputs if self.graph.values[u].shape == value.shape]
+            if node.primitive == "transpose":
+                perm = node.params["permutation"]
+                dims = [perm[d] for d in dims]
+            elif node.primitive not in _LINEAR or len(same) != 1 or any(
+                    self.graph.values[u].size > 1 for u in node.inputs if u not in same) or (
+                    node.primitive == "div" and same[0] != node.inputs[0]):
+                return None
+            value = self.graph.values[node.inputs[0] if node.primitive == "transpose"
+                                      else same[0]]
+        return None
 
     def reshard_comms(self, value: Value, src: ShardSpec, dst: ShardSpec) -> tuple:
         """The collectives of resharding `value` from src to dst (through whole_first's
