@@ -71,7 +71,7 @@ def test_the_estimate_prices_the_window_the_tpu_compiler_runs(tpu_v5e_2x4):
     options = DEFAULTS.replace(state_argnums=(0,), batch_argnums=(1,))
     job = Job.make(traced, shape, hw, options, device_mesh=mesh, donate_argnums=(0,))
     rows = ShardSpec.split(2, 0, BOTH)
-    plan, intra = plan_graph(job, fixed_inputs={0: rows, 1: rows})
+    plan, _ = plan_graph(job, fixed_inputs={0: rows, 1: rows})
     lowered = compiled.lower_plan(job.graph, traced, plan, mesh, (0,))
     stats = hlo.analyze(compiled.compile_for_analysis(lowered))
     priced = price.price(stats, shape, compiled.device_grid(mesh), hw, "bfloat16")
