@@ -81,3 +81,6 @@ def test_the_estimate_prices_the_window_the_tpu_compiler_runs(tpu_v5e_2x4):
     assert stats.contraction_bytes == pytest.approx(
         (batch // 8 * (d + f) * 2 + d * f * 2) * 2 + window, rel=0.02)
     assert window / hw.mem_bandwidth > 0.15 * priced.compute_s
+    # the plan's table charges it to the op that reads the gradient reduce-scattered
+    (update,) = [o for o in plan.ops if o.primitive == "sub"]
+    assert update.compute_s == pytest.approx(window / hw.mem_bandwidth, rel=0.01)

@@ -12,6 +12,7 @@ from shardplan.cost.hardware import HardwareProfile
 from shardplan.cost.model import AlphaBetaCost
 from shardplan.intra.options import intra_options
 from shardplan.intra.planner import IntraPlan, plan_intra
+from shardplan.intra.reshard_prices import ReshardPrices
 from shardplan.ir.graph import Graph
 from shardplan.ir.trace import TracedStep
 from shardplan.options import DEFAULTS, SearchOptions
@@ -65,9 +66,14 @@ def _pinned_note(fixed, traced: TracedStep) -> tuple[str, ...]:
 def op_rows(graph: Graph, cost: AlphaBetaCost, intra: IntraPlan) -> list[OpRow]:
     """Each node's compute and communication: its strategy's own collectives, and resharding
     its operands into the layouts it reads (counted at the first node that reads a value in a
-    layout: XLA reshards once for all of them)."""
+    layout: XLA reshards once for all of them; the memory time of a windowed einsum's
+    reduce-scatter on TPU in its compute, as the estimate counts it)."""
     specs, seen, rows = intra.value_specs, set(), []
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
+    n_in = len(graph.inputs)
+    prices = ReshardPrices(graph, cost.mesh, cost, {
+        v: (n_in + node.id, k) for node in graph.nodes for k, v in enumerate(node.outputs)},
+        n_in, lambda _: False)
 
     def trips_at(node_id: int | None, side: str) -> float:
         # a loop's entry reads, and its exit writes, a value of the enclosing level: resharded
@@ -91,6 +97,7 @@ def op_rows(graph: Graph, cost: AlphaBetaCost, intra: IntraPlan) -> list[OpRow]:
             comms = cost.reshard_comms(graph.values[v], src, dst)
             trips = min(trips_at(node.id, "enter"), trips_at(producer.get(v), "leave"))
             k += trips * collectives.comms_time(comms, cost.mesh, cost.links)
+            c += trips * prices.window_time(graph.values[v], src, dst)
         rows.append(OpRow(node.primitive, node.name, s.name, c, k))
     # what a loop body hands its next iteration, resharded into the carry's layout (as the
     # ILP prices it: intra.problem), on the carry's loop_carry row
