@@ -126,3 +126,38 @@ def test_a_search_that_runs_out_names_the_callers_time_limit(monkeypatch):
     with pytest.raises(types.SearchTimeout, match=r"the time limit of 12 s ran out") as caught:
         plan_step(traced, MeshShape(("data", "model"), (2, 4)), hw, options)
     assert caught.value.time_limit_s == 12.0
+
+
+def test_an_earlier_candidates_inputs_start_the_search(monkeypatch):
+    """IntraOptions.warm_inputs (the driver's step as a whole, for its accumulated step): a
+    seed solved first with those inputs pinned, and its plan the free solve's hint, so a free
+    solve cut short is never worse than it (Llama2-70B in 2 micro-batches on 16x16, 120 s:
+    37 s a step without it). Inputs whose spec this step cannot take are left free."""
+    from shardplan.intra import planner
+
+    real, calls = planner.ilp.solve, []
+
+    def recorded(inp):
+        calls.append((inp.hint, real(inp)))
+        return calls[-1][1]
+
+    step = models.get_model("mlp", abstract=True)
+    traced = trace(step.fn, step.args, step.state_argnums, step.batch_argnums)
+    hw, _ = parse_cluster("cpu")
+    mesh = MeshShape(("data", "model"), (2, 4))
+    options = DEFAULTS.replace(state_argnums=step.state_argnums,
+                               batch_argnums=step.batch_argnums, time_limit=60.0)
+    earlier, _, _ = plan_step(traced, mesh, hw, options)
+    from shardplan.planning.intra_op import plan_graph
+    from shardplan.strategies.spec import ShardSpec
+
+    warm = dict(enumerate(earlier.input_specs))
+    warm[len(warm)] = ShardSpec.replicated(1)  # no such input: left out
+    monkeypatch.setattr(planner.ilp, "solve", recorded)
+    budget = 1.5 * earlier.estimate.peak_bytes
+    job = Job.make(traced, mesh, hw, options.replace(memory_budget=budget))
+    plan, intra = plan_graph(job.replace(warm_inputs=warm))
+    assert any("the step as a whole's inputs-seeded" in n for n in plan.notes), plan.notes
+    (_, seeded), (hint, _) = calls[:2]  # the seed's solve first, then the free solve
+    assert hint == seeded.choice  # which started from the seed's plan
+    assert plan.estimate.total_s <= earlier.estimate.total_s * (1 + 1e-6)

@@ -84,3 +84,43 @@ def test_the_estimate_prices_the_window_the_tpu_compiler_runs(tpu_v5e_2x4):
     # the plan's table charges it to the op that reads the gradient reduce-scattered
     (update,) = [o for o in plan.ops if o.primitive == "sub"]
     assert update.compute_s == pytest.approx(window / hw.mem_bandwidth, rel=0.01)
+
+
+@pytest.mark.parametrize("shape, axes, windowed", [
+    ((2, 4), BOTH, True), ((4, 4), BOTH, True),  # the whole slice, at most 16 chips
+    ((16, 16), BOTH, False), ((4, 8), BOTH, False),  # more chips: reduce-scattered
+    ((2, 4), ("model",), False),  # one axis of the slice
+])
+def test_the_window_is_priced_where_the_tpu_compiler_runs_one(shape, axes, windowed):
+    """ReshardPrices.window_time, without compiling: a window only where the reduce-scatter
+    spans the whole slice of at most WINDOW_CHIPS chips (what libtpu did with x^T dy on each
+    of these slices), and its contracting rows per chip exceed WINDOW_CONTRACTING."""
+    from shardplan.cost.model import AlphaBetaCost
+    from shardplan.ir.lift import lift
+
+    mesh = MeshShape(("data", "model"), shape)
+    n = mesh.size(axes)
+    rows, d, f = 1024 * n, 256, 512
+
+    def wgrad(x, dy):
+        return jnp.einsum("bd,bf->df", x, dy)
+
+    graph = lift(jax.make_jaxpr(wgrad)(jnp.zeros((rows, d), jnp.bfloat16),
+                                       jnp.zeros((rows, f), jnp.bfloat16)))
+    (dot,) = graph.nodes
+    n_in = len(graph.inputs)
+    prices = reshard_prices.ReshardPrices(
+        graph, mesh, AlphaBetaCost(mesh, get_profile("tpu-v5e")),
+        {dot.outputs[0]: (n_in + dot.id, 0)}, n_in, lambda _: False)
+    out = graph.values[dot.outputs[0]]
+    src, dst = ShardSpec(((), ()), axes), ShardSpec((axes, ()))
+    seconds = prices.window_time(out, src, dst)
+    dy = rows // n * f * 2  # the operand read whole in each of n/2 steps
+    expected = (n // 2 - 1) * dy / get_profile("tpu-v5e").mem_bandwidth if windowed else 0.0
+    assert seconds == pytest.approx(expected)
+    assert prices.window_time(out, src, ShardSpec(((), axes))) == pytest.approx(
+        expected * d / f)  # split along dy's dimension: x read whole instead
+    cpu = reshard_prices.ReshardPrices(graph, mesh, AlphaBetaCost(mesh, get_profile("cpu")),
+                                       {dot.outputs[0]: (n_in + dot.id, 0)}, n_in,
+                                       lambda _: False)
+    assert cpu.window_time(out, src, dst) == 0.0

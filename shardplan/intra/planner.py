@@ -121,6 +121,23 @@ def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOp
              if options.seed_baselines and not options.fixed_inputs else {})
     candidates, notes, timeout = [], [], None
     reporter = options.solver.progress
+    # the earlier candidate's specs this problem's inputs can take (the same shape and split)
+    warm = {i: spec for i, spec in options.warm_inputs.items() if i < problem.num_inputs
+            and any(s.out_specs[0] == spec for s in problem.strategies[i])}
+    warm = _pinned(problem, inp, warm) if warm and not options.fixed_inputs else None
+    if warm is not None:
+        # An earlier candidate's inputs (the step as a whole's, for its accumulated step): a
+        # seed solved first, whose plan, where it fits, the free solve starts from (Llama2-70B
+        # in 2 micro-batches on 16x16 under 15.75 GiB: the free solve held to 120 s alone
+        # ended at 37 s a step, the whole step's inputs give 21 s;
+        # tests/test_intra_planner.py::test_an_earlier_candidates_inputs_start_the_search)
+        try:
+            with progress.phase(reporter, "the ILP seeded with the step as a whole's inputs"):
+                found = _seeded(warm, inp.solver)
+            candidates.append(("the step as a whole's inputs-seeded", found))
+            inp = inp.replace(hint=found.choice)
+        except (types.InfeasibleMemory, types.SearchTimeout):
+            pass
     try:
         with progress.phase(reporter, "the ILP"):
             candidates.append(("searched", ilp.solve(_leaving_seeds_time(inp, seeds))))

@@ -19,8 +19,12 @@ from shardplan.strategies.spec import MeshShape, ShardSpec
 # The TPU compiler runs a dot whose partial result is reduce-scattered as a windowed einsum
 # (a loop of collective-permutes, each step a dot making two chunks of the result) where its
 # contracting dimensions hold more than this many elements per device (libtpu 0.0.42.1, v5e
-# 2x4: 520 was not, 544 was; tests/test_reshard_window.py).
+# 2x4: 520 was not, 544 was; tests/test_reshard_window.py)
 WINDOW_CONTRACTING = 512
+# and the reduce-scatter spans the whole slice, of at most this many chips: seen on v5e 2x4
+# and 4x4 (and Llama2-7B's gradients on 4x4), not over both axes of 4x8, 8x8 or 16x16, nor
+# over one axis of 2x4, 4x8 or 16x16 (x^T dy with 1024 to 8192 rows a chip).
+WINDOW_CHIPS = 16
 # Ops that keep a partial sum partial when their other operands are scalars (_dot_made).
 _LINEAR = frozenset({"convert_element_type", "mul", "div", "neg", "copy", "copy_p"})
 
@@ -57,7 +61,7 @@ class ReshardPrices:
 
     def window_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
         """The memory time the TPU compiler's windowed einsum adds where a dot's partial sum
-        is reduce-scattered (WINDOW_CONTRACTING): over n devices it runs n/2 steps (two
+        is reduce-scattered (WINDOW_CONTRACTING, WINDOW_CHIPS): over n devices it runs n/2 steps (two
         chunks each, one per direction round the ring), and each step reads the whole of the
         operand that does not hold the scattered dimension, which one dot reads once.
         Compute time, not communication: the estimate adds it to compute
@@ -70,6 +74,10 @@ class ReshardPrices:
             return 0.0
         scattered = [(i, [a for a in d if a in src.partial]) for i, d in enumerate(dst.dims)]
         scattered = [(i, axes) for i, axes in scattered if axes]
+        over = {a for _, axes in scattered for a in axes}
+        if set(src.partial) - over or not self.mesh.size(tuple(over)) == self.mesh.size() <= (
+                WINDOW_CHIPS):
+            return 0.0
         found = self._dot_made(value) if scattered else None
         if found is None:
             return 0.0

@@ -109,6 +109,10 @@ class IntraOptions:
     fixed_inputs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
     # Also solve with each expert plan's input specs pinned and keep the cheapest.
     seed_baselines: bool = True
+    # Flat input index -> its spec in an earlier candidate of the same search (the driver's
+    # step as a whole, for its accumulated candidates): solved first with them pinned, a seed
+    # whose plan, where it fits, is the free solve's starting point (intra/planner.py).
+    warm_inputs: Mapping[int, ShardSpec] = dataclasses.field(default_factory=dict)
     # The reductions of the step's gradients priced as XLA's combiner runs them: each without
     # its own latency, and the latency of the combined all-reduce once per mesh axes, in the
     # plans that reduce a gradient over them (intra/combiner/gradient_latency.py,

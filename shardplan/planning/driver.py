@@ -29,7 +29,8 @@ def plan_program(job: Job) -> Plan:
     always; "auto" only where no plan of the step without it fits the memory budget, then
     the fewest micro-batches whose plan fits (accumulation.choices), the least memory found
     kept when none does. Every candidate shares the job's deadline: each gets what the
-    others left, at least the grace a running solve is allowed."""
+    others left, at least the grace a running solve is allowed; a later candidate's ILP
+    starts from the inputs of the step's plan as a whole (`_warm_inputs`)."""
     o = job.options
     m = o.grad_accumulation
     if m != "auto":
@@ -48,7 +49,9 @@ def plan_program(job: Job) -> Plan:
     for i, k in enumerate(ms):
         with progress.phase(job.progress, f"gradients accumulated over {k} micro-batches",
                             i + 1, len(ms)):
-            plan, err, caught_k = _attempt(with_remat, _rest(accumulation.job_for(job, k)))
+            job_k = accumulation.job_for(job, k)
+            job_k = job_k.replace(warm_inputs=_warm_inputs(first, job, job_k))
+            plan, err, caught_k = _attempt(with_remat, _rest(job_k))
         if plan is not None and plan.fits() is not False:
             _rewarn(caught_k)
             return accumulation.marked(plan, k, f"grad_accumulation='auto': no plan of the step "
@@ -84,6 +87,19 @@ def plan_program(job: Job) -> Plan:
                                "budget; this one needs the least memory found")
 
 
+def _warm_inputs(plan: Plan | None, job: Job, later: Job) -> dict | None:
+    """The specs `plan` (of `job`'s step) gave the inputs that `later`'s step has alike (the
+    same flat index, shape and dtype): the ILP's starting point for `later`
+    (IntraOptions.warm_inputs)."""
+    if plan is None or plan.stages:
+        return None
+    ours, theirs = job.traced.in_avals, later.traced.in_avals
+    if len(ours) != len(theirs) or len(plan.input_specs) != len(ours):
+        return None
+    return {i: spec for i, (a, b, spec) in enumerate(zip(ours, theirs, plan.input_specs))
+            if a.shape == b.shape and a.dtype == b.dtype}
+
+
 def with_remat(job: Job) -> Plan:
     """The job's step as written or rematerialized as options.remat says: False plans the step
     as written, True the rematerialized step (as written where it has no scanned layers to
@@ -111,7 +127,9 @@ def with_remat(job: Job) -> Plan:
     as_written = (f"needs at least {fmt_bytes(error.min_bytes)}" if error is not None else
                   f"its best plan needs {fmt_bytes(first.estimate.peak_bytes)}")
     with progress.phase(job.progress, "the step with its scanned layers rematerialized"):
-        second, error2, caught2 = _attempt(judged, _rest(job.replace(traced=rewritten)))
+        later = job.replace(traced=rewritten)
+        later = later.replace(warm_inputs=_warm_inputs(first, job, later))
+        second, error2, caught2 = _attempt(judged, _rest(later))
     if second is None:
         if first is not None:
             _rewarn(caught)

@@ -38,7 +38,7 @@ def plan_graph(job: Job, *, ilp_budget: float | None = None, deadline: Deadline 
     intra = plan_intra(graph, job.mesh, cost, intra_options(
         options, fixed, deadline=deadline or job.deadline, donated=job.donated,
         combine_gradients=combine_gradients, compiler=job.hw.backend, progress=job.progress,
-        least_memory=job.least_memory), budget)
+        least_memory=job.least_memory, warm_inputs=job.warm_inputs), budget)
     ops = tuple(op_rows(graph, cost, intra))
     plan = Plan(
         mesh=job.mesh, hardware=job.hw.name,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardplan import progress as progress_mod
@@ -47,6 +47,9 @@ class Job:
     least_memory: bool = True
     """Where no plan fits: search for the least memory any plan needs (the error's exact
     figure), or only bound it at once (the driver, with another step still to plan)."""
+    warm_inputs: Mapping[int, ShardSpec] | None = None
+    """Flat input index -> its spec in an earlier candidate's plan (the driver's step as a
+    whole, for its accumulated candidates): the ILP's first seed and starting point."""
 
     @classmethod
     def make(cls, traced: TracedStep, mesh: MeshShape, hw: HardwareProfile,
