@@ -192,6 +192,25 @@ whole in each step (taken from it padded). With both, the same command, one run,
 
 What remains of the gap: attention's dots read the f32 exponentials, with the normalization
 and the cast to bf16 fused into them (2 GiB a layer where the model counts the bf16 1 GiB).
+
+Llama2-70B after 8c93446 (the window priced only over a whole slice of at most 16 chips, which
+16x16 is not; the accumulated candidate's ILP starting from the whole step's inputs), planned
+as the config says with `/tmp`-only probes logging each phase, idle machine, one run each:
+
+    time limit  whole step                         2 micro-batches                  total
+    120 s       8 s ILP, refused once compiled    seeded 14 s: 20.75 s a step by   185 s
+                (85 s)                            the model, priced 21.65 s
+    120 s       the same (92 s compile)           16 s left: the seed's budgeted   431 s
+                                                  completion found nothing good
+                                                  in time; 37.3 s priced
+    300 s       the same                          20.69 s (optimal), estimate      205 s
+                                                  20.80 s, priced 21.94 s (0.95);
+                                                  15.55 GiB estimated, heap 14.35
+
+With 300 s the plan is session 22's 900 s one (20796 ms estimated), priced 21.94 s where the
+pricer's padded-slice miss had it at 24.14 s. The 120 s target is not met: the whole step's
+plan fits the model and takes 85-92 s to be refused by the compiler, and the 2 micro-batches'
+compile takes another 70-76 s (the second 120 s run's compile of its poorer plan took 302 s).
 """
 
 from __future__ import annotations
