@@ -157,7 +157,7 @@ def test_an_earlier_candidates_inputs_start_the_search(monkeypatch):
     budget = 1.5 * earlier.estimate.peak_bytes
     job = Job.make(traced, mesh, hw, options.replace(memory_budget=budget))
     plan, _ = plan_graph(job.replace(warm_inputs=warm))
-    assert any("the step as a whole's inputs-seeded" in n for n in plan.notes), plan.notes
+    assert any("earlier-candidate-seeded" in n for n in plan.notes), plan.notes
     (_, seeded), (hint, _) = calls[:2]  # the seed's solve first, then the free solve
     assert hint == seeded.choice  # which started from the seed's plan
     assert plan.estimate.total_s <= earlier.estimate.total_s * (1 + 1e-6)

@@ -122,7 +122,7 @@ def _sliced_params(module: hlo_parse.Module, comp: str) -> dict[int, int]:
     or through a pad that only slices read: the TPU compiler's windowed einsum takes each
     step's two chunks of an operand from it padded, the pad's fill discarded, so such a
     slice reads the parameter's share of its bytes
-    (tests/test_analysis_tpu.py::test_a_windowed_einsum_reads_its_sliced_operand_once)."""
+    (tests/test_reshard_window.py::test_a_windowed_einsum_reads_its_sliced_operand_once)."""
     body = module.computations.get(comp, [])
     users = hlo_uses.Users(body)
 

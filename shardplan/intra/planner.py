@@ -126,15 +126,16 @@ def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOp
             and any(s.out_specs[0] == spec for s in problem.strategies[i])}
     warm = _pinned(problem, inp, warm) if warm and not options.fixed_inputs else None
     if warm is not None:
-        # An earlier candidate's inputs (the step as a whole's, for its accumulated step): a
-        # seed solved first, whose plan, where it fits, the free solve starts from (Llama2-70B
-        # in 2 micro-batches on 16x16 under 15.75 GiB: the free solve held to 120 s alone
-        # ended at 37 s a step, the whole step's inputs give 21 s;
+        # An earlier candidate's inputs (the step as a whole's, for its accumulated step; as
+        # written, for its rematerialized one): a seed solved first, whose plan, where it
+        # fits, the free solve starts from (Llama2-70B in 2 micro-batches on 16x16 under
+        # 15.75 GiB: the free solve held to 120 s alone ended at 37 s a step, the whole
+        # step's inputs give 21 s;
         # tests/test_intra_planner.py::test_an_earlier_candidates_inputs_start_the_search)
         try:
-            with progress.phase(reporter, "the ILP seeded with the step as a whole's inputs"):
+            with progress.phase(reporter, "the ILP seeded with the earlier candidate's inputs"):
                 found = _seeded(warm, inp.solver)
-            candidates.append(("the step as a whole's inputs-seeded", found))
+            candidates.append(("earlier-candidate-seeded", found))
             inp = inp.replace(hint=found.choice)
         except (types.InfeasibleMemory, types.SearchTimeout):
             pass

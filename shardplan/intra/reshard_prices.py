@@ -61,9 +61,10 @@ class ReshardPrices:
 
     def window_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
         """The memory time the TPU compiler's windowed einsum adds where a dot's partial sum
-        is reduce-scattered (WINDOW_CONTRACTING, WINDOW_CHIPS): over n devices it runs n/2 steps (two
-        chunks each, one per direction round the ring), and each step reads the whole of the
-        operand that does not hold the scattered dimension, which one dot reads once.
+        is reduce-scattered (WINDOW_CONTRACTING, WINDOW_CHIPS): over n devices it runs n/2
+        steps (two chunks each, one per direction round the ring), and each step reads the
+        whole of the operand that does not hold the scattered dimension, which one dot reads
+        once.
         Compute time, not communication: the estimate adds it to compute
         (tests/test_reshard_window.py checks it against the compiled program's contraction
         bytes). The ILP's edges leave it out: priced there, the plans of
@@ -89,7 +90,7 @@ class ReshardPrices:
         partial = self.mesh.size(src.partial)
         if math.prod(lhs.shape[d] for d in dd.lhs_contract) / partial <= WINDOW_CONTRACTING:
             return 0.0
-        steps = self.mesh.size([a for _, axes in scattered for a in axes]) // 2
+        steps = self.mesh.size(tuple(over)) // 2
         nb, nm, nn = len(dd.lhs_batch), len(dd.lhs_free), len(dd.rhs_free)
         # the result's dims: the batch dims, the lhs's free dims, the rhs's (dot_general)
         held = {"both" if i < nb else "lhs" if i < nb + nm else "rhs" for i, _ in scattered}
