@@ -1,6 +1,6 @@
 """Message passing (shardplan.intra.solve.message_passing): its bound never above the optimum and
 never falling, its plans real plans, exact on a chain, and the plan a MIP whose LP relaxation
-was cut short returns."""
+was cut short returns; under a memory budget, a plan that keeps it, the budgeted ILP's fallback."""
 
 import itertools
 
@@ -9,9 +9,15 @@ import pytest
 
 from shardplan.intra import settings
 from shardplan.intra.settings import SolverSettings
-from shardplan.intra.solve import message_passing, mip
+from shardplan.intra.solve import ilp, message_passing, mip
 from shardplan.intra.solve.brute_force import brute_force
-from shardplan.intra.solve.types import Implication, SolverInput, objective
+from shardplan.intra.solve.types import (
+    Copy,
+    Implication,
+    SolverInput,
+    evaluate,
+    objective,
+)
 
 WORK = SolverSettings(time_limit=10, deterministic=True)
 
@@ -79,3 +85,44 @@ def test_a_cut_short_lp_leaves_message_passings_plan(monkeypatch):
     # a small MIP keeps no time for it, and runs the MIP after its cut-short LP
     monkeypatch.setattr(mip, "MESSAGE_COLUMNS", 10**9)
     assert mip.solve(cut)[0] in ("optimal", "feasible")
+
+
+def budgeted_problem(seed, n=6, k=3):
+    """random_problem with a buffer per node's choice in one of two moments, a reshard copy
+    between nodes 0 and 1, and a budget the cheapest plan breaks but some plan keeps."""
+    inp = random_problem(seed, n, k)
+    rng = np.random.default_rng(seed + 100)
+    mem = [rng.uniform(1, 10, k) for _ in range(n)]
+    for m, c in zip(mem, inp.node_costs):
+        m[int(np.argmin(c))] *= 4  # the cheap choices hold the most
+    rows = (tuple((i, mem[i]) for i in range(0, n, 2)), tuple((i, mem[i]) for i in range(1, n, 2)))
+    copy = Copy(0, np.arange(k), rng.uniform(1, 5, k), 1, np.arange(k), rng.uniform(1, 5, k))
+    inp = inp.replace(memory_rows=rows, copies=(copy,), row_copies=((0,), ()))
+    free = brute_force(inp).choice
+    least = min(evaluate(inp, c)[1] for c in itertools.product(range(k), repeat=n)
+                if np.isfinite(evaluate(inp, c)[0]))
+    return inp.replace(memory_budget=(least + evaluate(inp, free)[1]) / 2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_message_passing_under_a_budget_finds_a_plan_that_keeps_it(seed):
+    inp = budgeted_problem(seed)
+    choice, value = message_passing.fitting(inp, 5)
+    obj, peak = evaluate(inp, choice)
+    assert peak <= inp.memory_budget and obj == value
+    assert value >= brute_force(inp).objective - 1e-9
+
+
+def test_a_budgeted_ilp_starts_from_message_passings_plan(monkeypatch):
+    """On a large problem (here every problem) under a budget, message passing's plan that fits
+    is among the fallbacks: the MIP's first incumbent, and the answer where it finds none in
+    time (here it gets one branch-and-bound node and one simplex iteration)."""
+    inp = budgeted_problem(2)
+    fitted, value = message_passing.fitting(inp, ilp.FIT_ITERATIONS)
+    monkeypatch.setattr(mip, "MESSAGE_COLUMNS", 0)
+    assert any(c == fitted for _, c, _ in ilp._fallbacks(inp))
+    monkeypatch.setattr(settings, "SIMPLEX_ITERATIONS_PER_S", 1)
+    monkeypatch.setattr(settings, "MIP_NODES_PER_S", 1)
+    found = ilp.solve(inp.replace(solver=WORK.replace(time_limit=1.0)))
+    assert found.objective <= value + 1e-12
+    assert found.peak_memory <= inp.memory_budget

@@ -37,17 +37,21 @@ class _Energy:
     """The SolverInput as a pairwise energy in arrays that message passing changes in place:
     node costs, edge matrices [a's choice, b's choice] with a before b, each node's edges."""
 
-    def __init__(self, inp: SolverInput):
+    def __init__(self, inp: SolverInput, extra=()):
+        """`extra`: more (a, b, matrix) edges, after the input's and its implications'."""
         edges = [(a, b, np.asarray(m, float)) for a, b, m in inp.edges]
         for r in inp.implications:
             when, allowed = np.asarray(r.when, bool), np.asarray(r.allowed, bool)
             edges.append((r.a, r.b, np.where(when[:, None] & ~allowed[None, :], np.inf, 0.0)))
+        self.first_extra = len(edges)
+        edges += [(a, b, np.asarray(m, float)) for a, b, m in extra]
         nodes = [np.asarray(c, float) for c in inp.node_costs]
         # An infinite cost as a finite one above any plan's: the bound stays a bound (of an
         # energy no dearer), and the arithmetic stays finite.
         total = sum(_finite_max(c) for c in nodes) + sum(_finite_max(m) for _, _, m in edges)
         big = 10.0 * total + 1.0
         self.nodes = [np.where(np.isfinite(c), c, big) for c in nodes]
+        self._given = [a < b for a, b, _ in edges]  # as given, or transposed to a < b
         self.edges = [(a, b, np.where(np.isfinite(m), m, big)) if a < b
                       else (b, a, np.where(np.isfinite(m), m, big).T) for a, b, m in edges]
         self.incident: list[list[int]] = [[] for _ in nodes]
@@ -89,6 +93,20 @@ class _Energy:
                     m += share * cost[None, :]
             cost *= 1.0 - share * len(onward)
 
+    def add(self, nodes: list[np.ndarray], extra: list[np.ndarray]) -> None:
+        """Each node's choices cost `nodes` more, each extra edge's pairs `extra` more: the
+        messages so far stay a reparameterization of the new energy, and go on from there."""
+        for cost, more in zip(self.nodes, nodes):
+            cost += more
+        for k, more in enumerate(extra):
+            m = self.edges[self.first_extra + k][2]
+            m += more if self._given[self.first_extra + k] else more.T
+
+    def passes(self, iterations: int) -> None:
+        for _ in range(iterations):
+            self.sweep(forward=True)
+            self.sweep(forward=False)
+
     def decode(self) -> tuple[int, ...]:
         """Node by node, the cheapest choice given the nodes chosen before it."""
         choice: list[int] = []
@@ -100,6 +118,13 @@ class _Energy:
                     score += m[choice[a], :]
             choice.append(int(np.argmin(score)))
         return tuple(choice)
+
+
+def _copy_bytes(c: types.Copy) -> np.ndarray:
+    """A copy's bytes for each pair of its members' choices (Copy.size, as a matrix)."""
+    differ = np.asarray(c.key_a)[:, None] != np.asarray(c.key_b)[None, :]
+    grown = np.asarray(c.bytes_a, float)[:, None] + np.asarray(c.bytes_b, float)[None, :]
+    return np.where(differ, np.maximum(grown, 0.0), 0.0)
 
 
 def _finite_max(a: np.ndarray) -> float:
@@ -117,10 +142,8 @@ def labelling(inp: SolverInput, iterations: int,
     best: tuple[float, tuple[int, ...] | None] = (math.inf, None)
     done = 0
     while done < iterations:
-        for _ in range(min(ROUND, iterations - done)):
-            energy.sweep(forward=True)
-            energy.sweep(forward=False)
-            done += 1
+        energy.passes(min(ROUND, iterations - done))
+        done += ROUND
         choice = presolve.improved(inp, energy.decode())
         value = types.objective(inp, choice)
         if value < best[0]:
@@ -128,3 +151,74 @@ def labelling(inp: SolverInput, iterations: int,
         if remaining() <= 0:
             break
     return best[1], best[0], energy.bound()
+
+
+# Under a memory budget (fitting): the weights of memory tried, each this many times the last,
+# from where a byte costs what the dearest choice does over the largest buffer, and then the
+# halvings (geometric) between the dearest weight whose plan broke the budget and the least
+# whose plan kept it.
+GROWTH = 10.0
+WEIGHTS = 8
+HALVINGS = 4
+
+
+def fitting(inp: SolverInput, iterations: int,
+            remaining: Callable[[], float] = lambda: math.inf
+            ) -> tuple[tuple[int, ...] | None, float]:
+    """Under `inp.memory_budget`: (the cheapest plan found that fits, its objective), or
+    (None, inf). Message passing on each choice's cost plus w times the most bytes it holds in
+    any moment (a Lagrangian weight of memory, as greedy.choices weighs it): w = 0 first, then
+    growing until a plan fits, then halved geometrically between the last that broke the
+    budget and the first that kept it; a reshard's copy weighs its bytes on the pair of choices
+    that make it. Each weight's plan is decoded after `iterations`
+    iterations, the messages carried from one weight to the next; best responses under the
+    weighted costs keep memory weighed."""
+    budget = inp.memory_budget
+    offsets, base, rows, _ = inp.memory_matrices
+    held = np.maximum(base, rows.max(axis=0).toarray().ravel()) if rows.shape[0] else base
+    held = [held[offsets[n]:offsets[n + 1]] for n in range(inp.num_nodes)]
+    copies = [(c.a, c.b, _copy_bytes(c)) for c in inp.copies]
+    dearest = max([_finite_max(np.asarray(c, float)) for c in inp.node_costs] + [1e-12])
+    unit = dearest / max([float(h.max()) for h in held if h.size]
+                         + [float(m.max()) for _, _, m in copies if m.size] + [1.0])
+    energy = _Energy(inp, [(a, b, np.zeros_like(m)) for a, b, m in copies])
+    best: tuple[float, tuple[int, ...] | None] = (math.inf, None)
+    weight = 0.0
+
+    def plan_at(w: float) -> bool:
+        """Whether the plan at memory weight `w` fits (the cheapest kept in `best`)."""
+        nonlocal best, weight
+        energy.add([(w - weight) * h for h in held], [(w - weight) * m for _, _, m in copies])
+        weight = w
+        energy.passes(iterations)
+        weighted = inp.replace(
+            node_costs=tuple(np.asarray(c, float) + w * h for c, h in zip(inp.node_costs, held)),
+            edges=(*inp.edges, *((a, b, w * m) for a, b, m in copies)))
+        choice = presolve.improved(weighted, energy.decode())
+        value, peak = types.evaluate(inp, choice)
+        if not (math.isfinite(value) and peak <= budget):
+            return False
+        if value < best[0]:
+            best = (value, choice)
+        return True
+
+    if plan_at(0.0):
+        return best[1], best[0]
+    low, high = 0.0, unit
+    for _ in range(WEIGHTS):
+        if remaining() <= 0:
+            return best[1], best[0]
+        if plan_at(high):
+            break
+        low, high = high, high * GROWTH
+    else:
+        return best[1], best[0]
+    for _ in range(HALVINGS):
+        if remaining() <= 0:
+            break
+        middle = math.sqrt(low * high) if low > 0 else high / GROWTH
+        if plan_at(middle):
+            high = middle
+        else:
+            low = middle
+    return best[1], best[0]
