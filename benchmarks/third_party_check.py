@@ -76,11 +76,21 @@ counts XLA:CPU's widened bytes at 16 bits for an accelerator). Issue 32's 318 co
 (130 all-to-alls) in bf16 against 78 in f32 were not seen with this cut on jax 0.12: bf16
 compiles to about the f32 step's collectives (45 against 47 on 2x4, every all-to-all one of
 the plan's own reshards, op_name sharding_constraint, priced by the estimate). Told tpu-v5e
-instead (compiled by XLA:CPU without libtpu), Gemma's search on 2x4 is cut at the 30 s limit
-after 38 s in both dtypes and the plan kept is "data_parallel (pinned, not searched)": 383
-collectives with 146 all-to-alls in bf16 (51.53 MB), 359 with 136 in f32 (95.53 MB), estimate
-equal to compiled; the cut search's own incumbent priced 3.66 ms against that plan's 1.52 ms
-(bf16). That is the search's time limit under an accelerator profile, not bf16.
+instead (`--profile tpu-v5e --models gemma --meshes 2x4`, compiled by XLA:CPU and priced as
+v5e runs it), measured 2026-11-29 (jax 0.12.0.1):
+
+    | model | mesh | dtype | loss / param diff | estimate / compiled MB | collectives | searched ms | experts ms | searched / best |
+    |---|---|---|---|---|---|---|---|---|
+    | gemma | 2x4 | float32 | 4.8e-07 / 1.8e-04 ok | 14.85 / 14.85 (1.000) | 18 all-gather, 11 all-reduce, 3 all-to-all, 11 reduce-scatter | 0.395 | data_parallel 0.700 fsdp 1.807 | 0.564 |
+    | gemma | 2x4 | bfloat16 | 7.4e-04 / 5.6e-03 ok | 9.20 / 9.20 (1.000) | 15 all-gather, 12 all-reduce, 6 reduce-scatter | 0.265 | data_parallel 0.368 fsdp 1.564 | 0.719 |
+
+Under tpu-v5e compute is nearly free beside communication, and the f32 core's LP relaxation
+(392 operators, 219k pair columns) takes HiGHS 25-35 s where the cpu profile's takes 6.5 s.
+Before message passing (intra/solve/message_passing.py) the search was cut at its 30 s limit
+with HiGHS's first plan (5.5 ms by the model) and kept "data_parallel (pinned, not searched)":
+359 collectives with 136 all-to-alls (95.53 MB), priced 2.86x data parallel's hand-written
+plan. Now the LP, cut short, leaves message passing's plan: 0.401 ms by the model, against
+the LP's optimum of 0.400 ms.
 """
 
 from __future__ import annotations
