@@ -60,7 +60,7 @@ def test_a_chain_is_solved_exactly(seed):
     """On a chain the LP relaxation is tight and a forward and a backward pass are dynamic
     programming: the optimum, and the bound equal to it."""
     rng = np.random.default_rng(seed)
-    n, k = 8, 4
+    n, k = 7, 3
     costs = tuple(rng.uniform(0, 1, k) for _ in range(n))
     edges = tuple((i, i + 1, rng.uniform(0, 1, (k, k))) for i in range(n - 1))
     inp = SolverInput(costs, edges, solver=WORK)
