@@ -170,9 +170,9 @@ def fitting(inp: SolverInput, iterations: int,
     any moment (a Lagrangian weight of memory, as greedy.choices weighs it): w = 0 first, then
     growing until a plan fits, then halved geometrically between the last that broke the
     budget and the first that kept it; a reshard's copy weighs its bytes on the pair of choices
-    that make it. Each weight's plan is decoded after `iterations`
-    iterations, the messages carried from one weight to the next; best responses under the
-    weighted costs keep memory weighed."""
+    that make it. Each weight's plan is decoded after `iterations` iterations, the messages
+    carried from one weight to the next; best responses under the weighted costs keep memory
+    weighed. `remaining()`: seconds left, checked between weights."""
     budget = inp.memory_budget
     offsets, base, rows, _ = inp.memory_matrices
     held = np.maximum(base, rows.max(axis=0).toarray().ravel()) if rows.shape[0] else base

@@ -300,8 +300,9 @@ MESSAGE_ITERATIONS = 30
 
 
 def _kept_for_messages(inp: SolverInput, columns: int) -> float:
-    """Seconds kept from the LP for message passing: none for a small MIP; when the solve is
-    limited by its work (deterministic), the LP's own limit ends it and nothing is kept."""
+    """Seconds kept from the LP for message passing: none for a small MIP. Where the solve is
+    limited by its work (deterministic) or has no deadline, the LP keeps all of its own limit
+    and message passing runs its iterations after it: a token second, not none, says so."""
     if columns < MESSAGE_COLUMNS:
         return 0.0
     if inp.solver.deterministic or not math.isfinite(inp.remaining()):
