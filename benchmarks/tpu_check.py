@@ -211,6 +211,23 @@ With 300 s the plan is session 22's 900 s one (20796 ms estimated), priced 21.94
 pricer's padded-slice miss had it at 24.14 s. The 120 s target is not met: the whole step's
 plan fits the model and takes 85-92 s to be refused by the compiler, and the 2 micro-batches'
 compile takes another 70-76 s (the second 120 s run's compile of its poorer plan took 302 s).
+
+After message passing (744a8c3: under a budget, message_passing.fitting's plan is a fallback
+and the MIP's first incumbent), the same probe, idle machine, one run each:
+
+    time limit  whole step                         2 micro-batches                  total
+    120 s       11 s ILP (message passing 1.9 s),  seeded 22 s: 20.79 s a step by   135 s
+                refused once compiled (96 s)       the model, 12.68 GiB; not
+                                                   compiled (the time was out)
+    150 s       the same (95 s compile)            seeded 17 s, free solve 11 s:    212 s
+                                                   20.73 s (optimal), estimate
+                                                   20.84 s, priced 21.65 s;
+                                                   15.50 GiB estimated, heap 11.86
+
+The poorer plans are gone: with 16-22 s left, the accumulated candidate's budgeted MIP starts
+from message passing's 20.76 s plan (found in 1.9 s; the LP's bound 20.75 s) where before it
+started from the greedy choices' 37.08 s and kept it. What keeps the total above 120 s is the
+TPU compiler alone: its compile of the step as a whole, 95 s on one core, ends refused.
 """
 
 from __future__ import annotations
