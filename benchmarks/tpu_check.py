@@ -227,7 +227,7 @@ and the MIP's first incumbent), the same probe, idle machine, one run each:
 The poorer plans are gone: with 16-22 s left, the accumulated candidate's budgeted MIP starts
 from message passing's 20.76 s plan (found in 1.9 s; the LP's bound 20.75 s) where before it
 started from the greedy choices' 37.08 s and kept it. What keeps the total above 120 s is the
-TPU compiler alone: its compile of the step as a whole, 95 s on one core, ends refused.
+TPU compiler alone: its compile of the step as a whole, 95 s, ends refused.
 """
 
 from __future__ import annotations
