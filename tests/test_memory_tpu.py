@@ -163,3 +163,26 @@ def test_an_activation_of_a_dot_is_written_beside_its_pre_activation_on_tpu(act)
     acts, virtual = _unwritten_activations(getattr(jax.nn, act))
     assert len(acts) == 3
     assert [v in virtual for v in acts] == [False, False, True]
+
+
+# (shape, dtype): the TPU compiler's layout of each as a step's argument pads these least
+# (compilers.tiled_bytes): a dimension of 2 as T(2,128), of 3 moved out of the tile, a last
+# dimension of 5 laid out second-minor, a bf16 [5, 7, 9] in 8-row tiles
+LAYOUTS = [((4, 64, 2, 1024), "bfloat16"), ((4, 64, 3, 1024), "bfloat16"),
+           ((64, 4, 1024), "float32"), ((3, 1000), "bfloat16"), ((1024, 5), "float32"),
+           ((5, 7, 9), "bfloat16"), ((100, 3), "bfloat16"), ((32, 8, 256, 2, 448), "bfloat16"),
+           ((4096,), "bfloat16"), ((24, 1000), "float32")]
+
+
+def test_arguments_take_the_tiled_layout_that_pads_least(tpu_v5e_2x4):
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    for shape, dtype in LAYOUTS:
+        x = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(tpu_v5e_2x4, P()))
+        compiled = jax.jit(lambda a: a * 2, donate_argnums=0).lower(x).compile()
+        itemsize = np.dtype(dtype).itemsize
+        assert compilers.tiled_bytes(shape, itemsize) == (
+            compiled.memory_analysis().argument_size_in_bytes), (shape, dtype)

@@ -63,8 +63,8 @@ class Rules:
     small_temps: float
     """Bytes of scalars the temp allocation holds that the model does not list."""
     tiled: bool
-    """Arrays are stored in tiles (tiled_bytes): a shard's last dimension padded to 128
-    elements, the one before it to 32 bytes' worth of rows (8 of f32, 16 of bf16)."""
+    """Arrays are stored in tiles (tiled_bytes): a shard's minor dimension padded to 128
+    elements, the one before it to its tile's rows, the two laid out where they pad least."""
 
     def value_bytes(self, cost, value, spec) -> float:
         """The bytes per device of `value` laid out as `spec` (cost.value_bytes, tiled)."""
@@ -74,19 +74,34 @@ class Rules:
 
 
 def tiled_bytes(shape, itemsize: int) -> float:
-    """The bytes of an array of `shape` in the TPU's tiled layouts: {1,0:T(8,128)(2,1)} for a
-    bf16 matrix (8 x 128 tiles of pairs of rows), T(512)/T(1024) for a bf16 vector: the last
-    dimension padded to 128 elements, the one before it to 8 * 4 / itemsize rows, a vector to
-    512 bytes (the allocations' granule)."""
+    """The bytes of an array of `shape` in the TPU's tiled layouts: a vector in 512-byte
+    granules (T(512)/T(1024)); else the minor dimension padded to 128 elements and the one
+    before it to the rows of its tile (2, 4 or 8: T(2,128), T(4,128), T(8,128), each (2,1) for
+    16 bits), the two chosen among the array's dimensions where they pad least. The TPU
+    compiler lays out a step's arguments so (libtpu 0.0.42.1, v5e): bf16[4,64,2,1024] as
+    {3,2,1,0:T(2,128)(2,1)}, bf16[4,64,3,1024] as {3,1,2,0:T(8,128)(2,1)}, f32[1024,5] as
+    {0,1:T(8,128)}, bf16[5,7,9] in 10240 bytes, bf16[32,8,4096,2,448] dense as
+    {2,4,3,1,0:T(8,128)(2,1)} (tests/test_memory_tpu.py::
+    test_arguments_take_the_tiled_layout_that_pads_least). Before, the last two dimensions
+    were padded as given, 16 rows for 16 bits: Mixtral's expert weights, bf16[32, 1, 4096, 2,
+    14336] a chip, counted 8x (56 GiB for 7)."""
     if not shape:
         return float(itemsize)
-    *outer, last = shape
-    if not outer:
-        return float(-(-last * itemsize // 512) * 512)
-    rows = max(8 * 4 // max(itemsize, 1), 8)
-    *outer, second = outer
-    n = int(np.prod(outer)) if outer else 1
-    return float(n * (-(-second // rows) * rows) * (-(-last // 128) * 128) * itemsize)
+    if len(shape) == 1:
+        return float(-(-shape[0] * itemsize // 512) * 512)
+    total = int(np.prod(shape))
+    if total == 0:
+        return 0.0
+    best = None
+    for m, minor in enumerate(shape):
+        for s, second in enumerate(shape):
+            if s == m or not minor or not second:
+                continue
+            rows = 2 if second <= 2 else 4 if second <= 4 else 8
+            padded = (total // (minor * second) * (-(-second // rows) * rows)
+                      * (-(-minor // 128) * 128))
+            best = padded if best is None else min(best, padded)
+    return float(best * itemsize)
 
 
 # XLA:CPU (intra/memory/model.py's docstring says what each rule saw on its live ranges). It runs
