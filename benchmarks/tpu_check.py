@@ -228,6 +228,28 @@ The poorer plans are gone: with 16-22 s left, the accumulated candidate's budget
 from message passing's 20.76 s plan (found in 1.9 s; the LP's bound 20.75 s) where before it
 started from the greedy choices' 37.08 s and kept it. What keeps the total above 120 s is the
 TPU compiler alone: its compile of the step as a whole, 95 s, ends refused.
+
+Mixtral-8x7B as configs/mixtral-8x7b-tpu-v5p-128.yaml says (32 scanned layers of 8 SwiGLU
+experts, top-2, global batch 256 x 2048, bf16, remat true, 30 s, budget 95 GiB) on v5p 8x8
+(compiled for v5p:4x4x4), `--cases mixtral-8x7b`, one run each, 2026-11-29:
+
+    plan                      fits  est GiB  TPU GiB  est/TPU  est ms   priced ms  opt_s ms
+    before e2f38cd: searched  yes   92.87    36.58    2.54     3022.16  3210.58    162.87
+                    maxtext   yes   71.18    18.41    3.87     3114.71  3185.30    127.14
+    after:          searched  yes   62.32    40.08    1.55     3019.81  3073.79    164.25
+                    maxtext   yes   49.81    18.41    2.70     3114.71  3185.30    127.14
+
+    searched / maxtext: 1.008 priced before, 0.965 after (1.281 and 1.292 by optimal_seconds)
+
+Before e2f38cd the memory model laid each argument out as its last two dimensions come, 16
+rows for bf16: the expert weights, bf16[32, 1, 4096, 2, 14336] a chip, counted 8x (56 GiB for
+7: the TPU compiler tiles the 2 as T(2,128)), and their Adam state likewise; the search held
+to 95 GiB under that phantom kept a plan priced above MaxText's. What remains of the memory
+estimate's 1.55: at its peak the model holds the attention mask broadcast to [b, heads, t, t]
+before the layers' scan, whole in this plan (35.2 GiB a chip with the margin), which the
+compiled program cannot be holding (its whole heap is 40.08 GiB). optimal_seconds ranks
+MaxText's plan first, as it ranks data parallel first on GPT-2: it charges collectives their
+HBM bytes only.
 """
 
 from __future__ import annotations
