@@ -370,6 +370,9 @@ def _table(case: str, mesh_name: str, candidates, hbm: int = V5E_HBM) -> list[st
               f"{_ms(e.total_s if modelled else None)} {_ms(p.total_s)} "
               f"{'-' if time_ratio is None else f'{time_ratio:6.2f}':>6s} {_ms(opt)}")
         if c.name.startswith("searched"):
+            if modelled:  # where an estimate and its program part
+                print(f"  {'':26s} compute est {_ms(e.compute_s)} priced {_ms(p.compute_s)}; "
+                      f"comm est {_ms(e.comm_s)} priced {_ms(p.comm_s)}")
             if mem is not None and abs(mem - 1) > TOLERANCE:
                 failures.append(f"{case} {mesh_name} {c.name}: memory estimate {mem:.2f} of "
                                 "the TPU's")

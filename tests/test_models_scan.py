@@ -194,3 +194,32 @@ def test_scanned_collective_bytes_within_ten_percent_of_unrolled():
     _, _, scanned = _plan(True, remat=False)
     assert unrolled > 2**20
     assert scanned == pytest.approx(unrolled, rel=0.10)
+
+
+# --- attention a chunk of queries at a time (attention_chunk: a scan inside the layers' scan)
+
+
+def test_chunked_attention_equals_the_whole():
+    whole = _step("llama", scan_layers=True, **CMP, optimizer="sgd")
+    chunked = _step("llama", scan_layers=True, attention_chunk=4, **CMP, optimizer="sgd")
+    want, got = jax.jit(whole.fn)(*whole.args), jax.jit(chunked.fn)(*whole.args)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    # no [b, heads, t, t] scores in the chunked step: the largest is a chunk's [b, heads, 4, t]
+    jaxpr = str(jax.make_jaxpr(chunked.fn)(*whole.args))
+    b, n, t = chunked.config.batch_size, chunked.config.num_heads, chunked.config.seq_len
+    assert f"f32[{b},{n},{t},{t}]" in str(jax.make_jaxpr(whole.fn)(*whole.args))
+    assert f"f32[{b},{n},{t},{t}]" not in jaxpr and f"f32[{b},{n},4,{t}]" in jaxpr
+
+
+def test_chunked_attention_rejects_what_it_cannot_do():
+    with pytest.raises(ValueError, match="attention_chunk=5 does not divide seq_len=16"):
+        get_model("llama", "tiny", attention_chunk=5)
+    with pytest.raises(ValueError, match="attention_chunk needs dropout_rate=0"):
+        get_model("gpt", "tiny", attention_chunk=4)
+
+
+def test_planned_chunked_attention_equals_single_device(mesh2x4):
+    m = _step("llama", scan_layers=True, attention_chunk=4, **CMP, optimizer="sgd")
+    check_planned(m.fn, m.args, mesh2x4)

@@ -72,6 +72,11 @@ class TransformerConfig:
     remat: bool | None = None
     """Recompute each block's activations in the backward pass (`nn.remat`); None means
     `scan_layers` (MaxText's default: remat when scanning)."""
+    attention_chunk: int | None = None
+    """Queries per chunk of the attention: a scan over chunks of the queries, each against all
+    keys and recomputed in the backward pass (`jax.checkpoint`), so one chunk's scores
+    [b, heads, chunk, t] are held at a time where None holds [b, heads, t, t] (MaxText's
+    splash attention holds no [t, t] scores either). Needs dropout_rate=0."""
     # vit only
     image_size: int = 32
     patch_size: int = 8
@@ -91,6 +96,13 @@ class TransformerConfig:
         if self.kv_heads != self.num_heads and self.fused_qkv:
             raise ValueError("grouped-query attention (num_kv_heads < num_heads) needs "
                              "fused_qkv=False")
+        chunk = self.attention_chunk
+        if chunk is not None and (chunk <= 0 or self.seq_len % chunk):
+            raise ValueError(f"attention_chunk={chunk} does not divide seq_len={self.seq_len}; "
+                             "use a divisor of it, or None for the whole attention at once")
+        if chunk is not None and self.dropout_rate > 0:
+            raise ValueError(f"attention_chunk needs dropout_rate=0 (it is {self.dropout_rate}); "
+                             "set dropout_rate to 0 or attention_chunk to None")
         moe = [i for i in range(self.num_layers) if self.is_moe_layer(i)]
         if self.scan_layers and moe and len(moe) < self.num_layers:
             raise ValueError(
@@ -143,6 +155,53 @@ def rotary(x, base_freq: float = 10000.0):
     return (x.astype(jnp.float32) * cos + rot * sin).astype(x.dtype)
 
 
+def chunked_attention(q, k, v, chunk: int, *, causal: bool):
+    """softmax(q k^T / sqrt(d)) v of q, k, v (batch, seq, heads, head_dim), `chunk` queries at a
+    time: a scan over the chunks, each rematerialized, so its scores (batch, heads, chunk, seq)
+    are the largest buffer in the forward and the backward pass. Equal to the whole attention
+    (tests/test_models_scan.py::test_chunked_attention_equals_the_whole)."""
+    b, t, n, d = q.shape
+    chunks = jnp.moveaxis(q.reshape(b, t // chunk, chunk, n, d), 1, 0)
+
+    @jax.checkpoint
+    def one(q_i, start):
+        scores = jnp.einsum("bqnd,bknd->bnqk", q_i, k).astype(jnp.float32) / math.sqrt(d)
+        if causal:
+            scores = _causal(scores, start)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        return jnp.einsum("bnqk,bknd->bqnd", probs, v)
+
+    _, ys = jax.lax.scan(lambda start, q_i: (start + chunk, one(q_i, start)), jnp.int32(0),
+                         chunks)
+    return jnp.moveaxis(ys, 0, 1).reshape(b, t, n, d)
+
+
+def _causal_mask(shape, start):
+    """Whether query row start + i may see key j, for scores of `shape` (..., rows, keys)."""
+    rows = start + jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2)
+    return rows >= jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+
+
+@jax.custom_vjp
+def _causal(scores, start):
+    """scores with the keys after each query row (row i is query start + i) masked out. Its
+    backward pass recomputes the mask from `start`: differentiated as jnp.where, JAX keeps
+    the mask broadcast to the scores' shape for the backward pass, one [b, heads, chunk, t]
+    array per chunk and layer (the TPU compiler held all of a layer's at once)."""
+    return jnp.where(_causal_mask(scores.shape, start), scores, jnp.finfo(scores.dtype).min)
+
+
+def _causal_fwd(scores, start):
+    return _causal(scores, start), start
+
+
+def _causal_bwd(start, g):
+    return jnp.where(_causal_mask(g.shape, start), g, 0), None
+
+
+_causal.defvjp(_causal_fwd, _causal_bwd)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention; causal for decoders, full for encoders."""
 
@@ -165,6 +224,9 @@ class Attention(nn.Module):
                 k, v = (jnp.repeat(y, n // kv, axis=2) for y in (k, v))
         if c.position == "rope":
             q, k = rotary(q), rotary(k)
+        if c.attention_chunk is not None and c.attention_chunk < t:
+            y = chunked_attention(q, k, v, c.attention_chunk, causal=c.causal)
+            return _dense(c, h, "out")(y.reshape(b, t, h))
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) / math.sqrt(d)
         if c.causal:
             mask = jnp.tril(jnp.ones((t, t), dtype=bool))
