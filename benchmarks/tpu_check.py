@@ -255,6 +255,28 @@ from message passing's 20.76 s plan (found in 1.9 s; the LP's bound 20.75 s) whe
 started from the greedy choices' 37.08 s and kept it. What keeps the total above 120 s is the
 TPU compiler alone: its compile of the step as a whole, 95 s, ends refused.
 
+Llama2-70B with its attention 512 queries at a time (the config's attention_chunk, as
+MaxText's splash attention holds no [b, heads, t, t] scores; the causal mask recomputed in the
+backward pass) and the expert plans completed under the budget where they need more
+(planning/expert_plans.py), `--cases llama2-70b --time-limit 120`, one run beside a test:
+
+    plan      fits  est GiB  TPU GiB  est/TPU  est ms    priced ms  est/priced  opt_s ms
+    searched  yes   14.59    14.43    1.01     17725.86  19953.94   0.89        269.02
+    maxtext   yes   13.71    13.64    1.00     17917.84  20650.57   0.87        241.96
+
+    searched / maxtext: 0.966 priced, 1.112 by optimal_seconds; search 92 s with its
+    compiled check (81 s of it; 69 s in all idle), the step as a whole, no accumulation
+
+The step as a whole now fits, so the driver compiles once. MaxText's configuration fits too:
+completed without a budget its FSDP plan gathered every layer's weights before the scan (153
+GiB a chip by the model, refused needing 139 GiB), completed under it the weights are gathered
+in the scan as MaxText gathers them. The step estimate is 0.89 of the program priced: the
+compute within 2% (13.51 s against 13.71), the communication 4.21 s against 6.24 (not yet
+located; 0.88 on a 2-layer model of 1024 width at 2x4 too, with or without chunks). Before
+the mask's custom backward, jnp.where's broadcast mask was kept per chunk for the backward
+pass, pred[4, 8, 8, 512, 2048] a layer on that 2-layer model, which the pricer read whole in
+each chunk's dot (priced compute 14.66 ms against 9.01 estimated; after, 9.55).
+
 Mixtral-8x7B as configs/mixtral-8x7b-tpu-v5p-128.yaml says (32 scanned layers of 8 SwiGLU
 experts, top-2, global batch 256 x 2048, bf16, remat true, 30 s, budget 95 GiB) on v5p 8x8
 (compiled for v5p:4x4x4), `--cases mixtral-8x7b`, one run each, 2026-11-29:

@@ -211,6 +211,10 @@ def test_chunked_attention_equals_the_whole():
     b, n, t = chunked.config.batch_size, chunked.config.num_heads, chunked.config.seq_len
     assert f"f32[{b},{n},{t},{t}]" in str(jax.make_jaxpr(whole.fn)(*whole.args))
     assert f"f32[{b},{n},{t},{t}]" not in jaxpr and f"f32[{b},{n},4,{t}]" in jaxpr
+    # nor, the layers not rematerialized, each chunk's causal mask kept for the backward pass
+    # (jnp.where's is: bool[t // 4, b, n, 4, t] a layer, which the TPU compiler held whole)
+    written = _step("llama", scan_layers=True, remat=False, attention_chunk=4, **CMP)
+    assert f"bool[{t // 4},{b},{n},4,{t}]" not in str(jax.make_jaxpr(written.fn)(*written.args))
 
 
 def test_chunked_attention_rejects_what_it_cannot_do():

@@ -57,3 +57,17 @@ def test_maxtext_needs_scanned_layers(mesh2x4):
     job = _job(unrolled, mesh2x4)
     plan, _ = plan_graph(job)
     assert MAXTEXT not in expert_plans(job, plan, complete=False)
+
+
+def test_an_expert_over_the_budget_is_laid_out_again_under_it(scanned, mesh2x4):
+    # completed without a budget, then (needing more than the budget) again under it: the
+    # expert's inputs kept, the rest laid out to fit, as MaxText's FSDP gathers each layer's
+    # weights in the scan where the unbudgeted completion of Llama2-70B gathered them all
+    job = _job(scanned, mesh2x4)
+    plan, _ = plan_graph(job)
+    free = expert_plans(job, plan, deadline=Deadline(60))["fsdp"]
+    budget = 0.9 * free.estimate.peak_bytes
+    tight = job.replace(options=job.options.replace(memory_budget=budget))
+    fitted = expert_plans(tight, plan, deadline=Deadline(60))["fsdp"]
+    assert fitted.input_specs == free.input_specs
+    assert fitted.estimate.peak_bytes <= budget < free.estimate.peak_bytes
