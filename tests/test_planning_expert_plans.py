@@ -8,11 +8,12 @@ import pytest
 
 import shardplan
 from shardplan.cost.hardware import get_profile
+from shardplan.intra import experts
 from shardplan.ir.trace import trace
 from shardplan.models import get_model
 from shardplan.options import SearchOptions
 from shardplan.planning import remat
-from shardplan.planning.expert_plans import MAXTEXT, expert_plans
+from shardplan.planning.expert_plans import MAXTEXT, _written, expert_plans
 from shardplan.planning.intra_op import plan_graph
 from shardplan.planning.job import Job
 from shardplan.strategies.spec import MeshShape
@@ -65,9 +66,10 @@ def test_an_expert_over_the_budget_is_laid_out_again_under_it(scanned, mesh2x4):
     # weights in the scan where the unbudgeted completion of Llama2-70B gathered them all
     job = _job(scanned, mesh2x4)
     plan, _ = plan_graph(job)
-    free = expert_plans(job, plan, deadline=Deadline(60))["fsdp"]
+    fsdp = experts.expert_inputs(job.graph, plan.mesh)["fsdp"]
+    free = _written(job, plan, "fsdp", fsdp, True, Deadline(60))
     budget = 0.9 * free.estimate.peak_bytes
     tight = job.replace(options=job.options.replace(memory_budget=budget))
-    fitted = expert_plans(tight, plan, deadline=Deadline(60))["fsdp"]
+    fitted = _written(tight, plan, "fsdp", fsdp, True, Deadline(60))
     assert fitted.input_specs == free.input_specs
     assert fitted.estimate.peak_bytes <= budget < free.estimate.peak_bytes
