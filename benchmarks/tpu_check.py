@@ -277,6 +277,16 @@ the mask's custom backward, jnp.where's broadcast mask was kept per chunk for th
 pass, pred[4, 8, 8, 512, 2048] a layer on that 2-layer model, which the pricer read whole in
 each chunk's dot (priced compute 14.66 ms against 9.01 estimated; after, 9.55).
 
+Where the communication goes, read with a /tmp-only probe on the 70B's layer cut to 2 layers
+(bf16, f32 weights, remat, chunks of 512), one compile each: on 16x16 (global batch 512)
+estimated 117 ms, priced 174: each MLP weight's bf16 gradient [28672, 8192] all-reduced whole
+over the 256 chips (936 MB sent a layer, three of them), then sliced and cast to f32 for its
+f32 [112, 8192] shard, where the plan reduce-scatters it (the reduce-scatter is not formed; on
+2x4, at width 1024, it is). On 4x4 (batch 64) estimated 100 ms, priced 200: the repeated keys
+and values bf16 [16, 2048, 8192] all-gathered over `model` in each chunk's iteration (8 times
+a step, 403 MB each), which the plan does not gather at all, and 118 collective-permutes of
+windowed einsums. Neither is in the cost model yet.
+
 Mixtral-8x7B as configs/mixtral-8x7b-tpu-v5p-128.yaml says (32 scanned layers of 8 SwiGLU
 experts, top-2, global batch 256 x 2048, bf16, remat true, 30 s, budget 95 GiB) on v5p 8x8
 (compiled for v5p:4x4x4), `--cases mixtral-8x7b`, one run each, 2026-11-29:
