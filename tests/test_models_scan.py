@@ -199,22 +199,29 @@ def test_scanned_collective_bytes_within_ten_percent_of_unrolled():
 # --- attention a chunk of queries at a time (attention_chunk: a scan inside the layers' scan)
 
 
-def test_chunked_attention_equals_the_whole():
-    whole = _step("llama", scan_layers=True, **CMP, optimizer="sgd")
-    chunked = _step("llama", scan_layers=True, attention_chunk=4, **CMP, optimizer="sgd")
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_chunked_attention_equals_the_whole(kv_heads):
+    # grouped-query attention (2 key/value heads for 8): the whole repeats them, chunks do not
+    whole = _step("llama", scan_layers=True, num_kv_heads=kv_heads, **CMP, optimizer="sgd")
+    chunked = _step("llama", scan_layers=True, num_kv_heads=kv_heads, attention_chunk=4, **CMP,
+                    optimizer="sgd")
     want, got = jax.jit(whole.fn)(*whole.args), jax.jit(chunked.fn)(*whole.args)
     np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
     for x, y in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
-    # no [b, heads, t, t] scores in the chunked step: the largest is a chunk's [b, heads, 4, t]
+    # no [b, heads, t, t] scores in the chunked step: the largest is a chunk's
+    # [b, kv_heads, group, 4, t]
     jaxpr = str(jax.make_jaxpr(chunked.fn)(*whole.args))
-    b, n, t = chunked.config.batch_size, chunked.config.num_heads, chunked.config.seq_len
+    cfg = chunked.config
+    b, n, t, kv = cfg.batch_size, cfg.num_heads, cfg.seq_len, cfg.kv_heads
     assert f"f32[{b},{n},{t},{t}]" in str(jax.make_jaxpr(whole.fn)(*whole.args))
-    assert f"f32[{b},{n},{t},{t}]" not in jaxpr and f"f32[{b},{n},4,{t}]" in jaxpr
+    assert f"f32[{b},{n},{t},{t}]" not in jaxpr and f"f32[{b},{kv},{n // kv},4,{t}]" in jaxpr
     # nor, the layers not rematerialized, each chunk's causal mask kept for the backward pass
-    # (jnp.where's is: bool[t // 4, b, n, 4, t] a layer, which the TPU compiler held whole)
-    written = _step("llama", scan_layers=True, remat=False, attention_chunk=4, **CMP)
-    assert f"bool[{t // 4},{b},{n},4,{t}]" not in str(jax.make_jaxpr(written.fn)(*written.args))
+    # (jnp.where's is: bool[t // 4, b, kv, group, 4, t] a layer, stacked by the chunks' scan,
+    # which the TPU compiler held whole)
+    written = _step("llama", scan_layers=True, remat=False, num_kv_heads=kv_heads,
+                    attention_chunk=4, **CMP)
+    assert f"bool[{t // 4}," not in str(jax.make_jaxpr(written.fn)(*written.args))
 
 
 def test_chunked_attention_rejects_what_it_cannot_do():

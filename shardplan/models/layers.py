@@ -156,20 +156,24 @@ def rotary(x, base_freq: float = 10000.0):
 
 
 def chunked_attention(q, k, v, chunk: int, *, causal: bool):
-    """softmax(q k^T / sqrt(d)) v of q, k, v (batch, seq, heads, head_dim), `chunk` queries at a
-    time: a scan over the chunks, each rematerialized, so its scores (batch, heads, chunk, seq)
-    are the largest buffer in the forward and the backward pass. Equal to the whole attention
+    """softmax(q k^T / sqrt(d)) v of q (batch, seq, heads, head_dim) and k, v (batch, seq,
+    kv_heads, head_dim; each key/value head serves heads // kv_heads query heads, as
+    jnp.repeat lays them out), `chunk` queries at a time: a scan over the chunks, each
+    rematerialized, so its scores (batch, kv_heads, group, chunk, seq) are the largest buffer
+    in the forward and the backward pass; keys and values are not repeated (MaxText's
+    grouped-query attention neither). Equal to the whole attention
     (tests/test_models_scan.py::test_chunked_attention_equals_the_whole)."""
     b, t, n, d = q.shape
-    chunks = jnp.moveaxis(q.reshape(b, t // chunk, chunk, n, d), 1, 0)
+    kv = k.shape[2]
+    chunks = jnp.moveaxis(q.reshape(b, t // chunk, chunk, kv, n // kv, d), 1, 0)
 
     @jax.checkpoint
     def one(q_i, start):
-        scores = jnp.einsum("bqnd,bknd->bnqk", q_i, k).astype(jnp.float32) / math.sqrt(d)
+        scores = jnp.einsum("bqkgd,btkd->bkgqt", q_i, k).astype(jnp.float32) / math.sqrt(d)
         if causal:
             scores = _causal(scores, start)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        return jnp.einsum("bnqk,bknd->bqnd", probs, v)
+        return jnp.einsum("bkgqt,btkd->bqkgd", probs, v)
 
     _, ys = jax.lax.scan(lambda start, q_i: (start + chunk, one(q_i, start)), jnp.int32(0),
                          chunks)
@@ -220,11 +224,13 @@ class Attention(nn.Module):
             q = _dense(c, h, "query")(x).reshape(b, t, n, d)
             kv = c.kv_heads
             k, v = (_dense(c, kv * d, nm)(x).reshape(b, t, kv, d) for nm in ("key", "value"))
-            if kv < n:  # grouped-query attention: each key/value head serves n // kv queries
-                k, v = (jnp.repeat(y, n // kv, axis=2) for y in (k, v))
+        chunked = c.attention_chunk is not None and c.attention_chunk < t
+        if k.shape[2] < n and not chunked:
+            # grouped-query attention: each key/value head serves n // kv query heads
+            k, v = (jnp.repeat(y, n // k.shape[2], axis=2) for y in (k, v))
         if c.position == "rope":
             q, k = rotary(q), rotary(k)
-        if c.attention_chunk is not None and c.attention_chunk < t:
+        if chunked:
             y = chunked_attention(q, k, v, c.attention_chunk, causal=c.causal)
             return _dense(c, h, "out")(y.reshape(b, t, h))
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) / math.sqrt(d)
