@@ -257,35 +257,41 @@ TPU compiler alone: its compile of the step as a whole, 95 s, ends refused.
 
 Llama2-70B with its attention 512 queries at a time (the config's attention_chunk, as
 MaxText's splash attention holds no [b, heads, t, t] scores; the causal mask recomputed in the
-backward pass) and the expert plans completed under the budget where they need more
-(planning/expert_plans.py), `--cases llama2-70b --time-limit 120`, one run beside a test:
+backward pass; keys and values read unrepeated, as MaxText's grouped-query attention) and the
+expert plans completed under the budget where they need more (planning/expert_plans.py),
+`--cases llama2-70b --time-limit 120`, one run, idle machine:
 
     plan      fits  est GiB  TPU GiB  est/TPU  est ms    priced ms  est/priced  opt_s ms
-    searched  yes   14.59    14.43    1.01     17725.86  19953.94   0.89        269.02
-    maxtext   yes   13.71    13.64    1.00     17917.84  20650.57   0.87        241.96
+    searched  yes   14.35    13.71    1.05     17522.70  19816.82   0.88        268.55
+    maxtext   yes   12.96    12.99    1.00     17669.80  20604.42   0.86        241.99
 
-    searched / maxtext: 0.966 priced, 1.112 by optimal_seconds; search 92 s with its
-    compiled check (81 s of it; 69 s in all idle), the step as a whole, no accumulation
+    searched / maxtext: 0.962 priced, 1.110 by optimal_seconds; search 68 s with its
+    compiled check (51 s of it), the step as a whole, no accumulation; the expert plans
+    completed in 35 s (296 s before their completions under the budget were held to 10 s)
 
 The step as a whole now fits, so the driver compiles once. MaxText's configuration fits too:
 completed without a budget its FSDP plan gathered every layer's weights before the scan (153
 GiB a chip by the model, refused needing 139 GiB), completed under it the weights are gathered
-in the scan as MaxText gathers them. The step estimate is 0.89 of the program priced: the
-compute within 2% (13.51 s against 13.71), the communication 4.21 s against 6.24 (not yet
-located; 0.88 on a 2-layer model of 1024 width at 2x4 too, with or without chunks). Before
-the mask's custom backward, jnp.where's broadcast mask was kept per chunk for the backward
-pass, pred[4, 8, 8, 512, 2048] a layer on that 2-layer model, which the pricer read whole in
-each chunk's dot (priced compute 14.66 ms against 9.01 estimated; after, 9.55).
+in the scan as MaxText gathers them. The step estimate is 0.88 of the program priced: the
+compute within 3% (13.31 s against 13.67), the communication 4.21 s against 6.15 (below).
+Before the mask's custom backward, jnp.where's broadcast mask was kept per chunk for the
+backward pass, pred[4, 8, 8, 512, 2048] a layer on a 2-layer model of width 1024 at 2x4,
+which the pricer read whole in each chunk's dot (priced compute 14.66 ms against 9.01
+estimated; after, 9.55).
 
 Where the communication goes, read with a /tmp-only probe on the 70B's layer cut to 2 layers
 (bf16, f32 weights, remat, chunks of 512), one compile each: on 16x16 (global batch 512)
 estimated 117 ms, priced 174: each MLP weight's bf16 gradient [28672, 8192] all-reduced whole
 over the 256 chips (936 MB sent a layer, three of them), then sliced and cast to f32 for its
 f32 [112, 8192] shard, where the plan reduce-scatters it (the reduce-scatter is not formed; on
-2x4, at width 1024, it is). On 4x4 (batch 64) estimated 100 ms, priced 200: the repeated keys
-and values bf16 [16, 2048, 8192] all-gathered over `model` in each chunk's iteration (8 times
-a step, 403 MB each), which the plan does not gather at all, and 118 collective-permutes of
-windowed einsums. Neither is in the cost model yet.
+2x4, at width 1024, it is). On 4x4 (batch 64) estimated 100 ms, priced 200: an array of the
+queries' size, bf16 [16, 2048, 8192] a chip, all-gathered over `model` in each chunk's
+iteration (8 times a step, 403 MB sent each; the same with keys and values repeated or not),
+which the plan does not gather at all, and 118 collective-permutes of windowed einsums.
+Neither is in the cost model yet. `shardplan search configs/llama2-70b-tpu-v5e-256.yaml --set
+search.measure=false --set output.compare=false` (the searched plan alone, its memory checked
+once compiled): exit 0 in 68 s, search 65 s; the 7B's config 40 s (search 36 s), Mixtral's
+59 s (search 53 s, beside a test).
 
 Mixtral-8x7B as configs/mixtral-8x7b-tpu-v5p-128.yaml says (32 scanned layers of 8 SwiGLU
 experts, top-2, global batch 256 x 2048, bf16, remat true, 30 s, budget 95 GiB) on v5p 8x8
