@@ -296,6 +296,12 @@ inputs pinned (a /tmp-only probe forcing the expert seeds). What the ILP leaves 
 windowed reduce-scatters' memory time (`ReshardPrices.window_time`, in the estimate's compute
 and not in the ILP: issue 30): 225.9 ms of the searched plan's estimate, 128.9 ms of FSDP's
 completion. With it set to 0 both estimates are 3275 ms (searched 3275.1, FSDP 3275.8).
+Tried and left out: on TPU slices of at most 16 chips, solving the expert seeds even when the
+free solve is proven (3 s each) and keeping the candidate of the least estimate. The 7B then
+keeps its FSDP-seeded plan, 3404.09 ms estimated (the ILP 25 s instead of 5 s), but the
+test-size MLP of tests/test_memory_tpu.py keeps a plan whose heap the TPU memory rules
+over-count by 42% (and the GPT one by 13%): the rules' gap that kept the window out of the
+ILP (ReshardPrices.window_time) is the next step.
 
 Where the communication goes, read with a /tmp-only probe on the 70B's layer cut to 2 layers
 (bf16, f32 weights, remat, chunks of 512), one compile each: on 16x16 (global batch 512)
