@@ -301,7 +301,11 @@ free solve is proven (3 s each) and keeping the candidate of the least estimate.
 keeps its FSDP-seeded plan, 3404.09 ms estimated (the ILP 25 s instead of 5 s), but the
 test-size MLP of tests/test_memory_tpu.py keeps a plan whose heap the TPU memory rules
 over-count by 42% (and the GPT one by 13%): the rules' gap that kept the window out of the
-ILP (ReshardPrices.window_time) is the next step.
+ILP (ReshardPrices.window_time) is the next step. Read on that MLP's dump (benchmarks/
+xla_live.py): its forward dots run as windowed all-gather einsums (async collective fusions
+gathering [1024, 4096] weight chunks), and the TPU holds one bf16 [8192, 4096] a layer, the
+dot's output, where the model holds it and the relu beside it (compilers.Rules.output_fusions:
+a dot's output fusion writes the relu too, read off programs whose dots were not windowed).
 
 Where the communication goes, read with a /tmp-only probe on the 70B's layer cut to 2 layers
 (bf16, f32 weights, remat, chunks of 512), one compile each: on 16x16 (global batch 512)
