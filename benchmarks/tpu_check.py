@@ -321,6 +321,24 @@ search.measure=false --set output.compare=false` (the searched plan alone, its m
 once compiled): exit 0 in 68 s, search 65 s; the 7B's config 40 s (search 36 s), Mixtral's
 59 s (search 53 s, beside a test).
 
+What attention's softmax holds from the forward pass to the backward, read on dumps of the
+searched plans (benchmarks/memory_tpu.py run_case, benchmarks/xla_live.py; llama-tiny of width
+1024, 2 layers, bf16, but the 7B cut), one compile each, 2026-11-29:
+
+    case                                   scores a chip       TPU holds             est/TPU
+    width 1024, 8 heads, t 1024, 2x4       f32 [4, 8, 1024²]   f32 exp               1.05
+    width 1024, 8 heads, t 2048, 2x4       f32 [2, 8, 2048²]   f32 exp               0.95
+    width 1024, 8 heads, t 1024, 4x4       f32 [2, 8, 1024²]   f32 exp               1.14
+    width 1024, 32 heads, t 2048, 4x4      [32, 2048²]         bf16 scores, row max  1.73
+    Llama 7B width, 4 layers, t 2048, 4x4  [32, 2048²]         bf16 scores, row max  1.33
+
+Where the scores of a chip are 128M elements, the TPU compiler keeps the bf16 output of the
+scores' dot (with the rows' max) and recomputes the exp from it in the backward; at 64M and
+below it writes the f32 exp and keeps that. The memory model keeps the f32 exp in every case.
+Keeping the narrow dot output instead (a rule tried, not kept) gives 1.03 on the 7B cut, 1.22
+on the 32-head case, but 0.89 and 0.73 on the 2x4 ones: the rule needs the compiler's
+condition, which one threshold on the size may or may not be (not tried).
+
 Mixtral-8x7B as configs/mixtral-8x7b-tpu-v5p-128.yaml says (32 scanned layers of 8 SwiGLU
 experts, top-2, global batch 256 x 2048, bf16, remat true, 30 s, budget 95 GiB) on v5p 8x8
 (compiled for v5p:4x4x4), `--cases mixtral-8x7b`, one run each, 2026-11-29:
