@@ -110,7 +110,9 @@ def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOp
     """Solve the ILP free and, unless that solve is proven optimal, with each expert plan's
     inputs pinned; keep the cheapest. A pinned problem is the free one with fewer choices, so
     it can only win when the free solve stopped at its time limit: the seeds are the guard
-    that the plan is never worse than the experts' under the cost model.
+    that the plan is never worse than the experts' under the cost model. Where the proven
+    optimum runs windowed einsums (_window_s), which the estimate prices and the ILP does
+    not, the seeds are solved too and the candidate of the least estimate is kept.
 
     Every solve gets only what remains of the deadline. When it has run out, a seed is not
     solved but its pinned choice (each other node at its cheapest) is evaluated, and kept if it
@@ -144,14 +146,19 @@ def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOp
             candidates.append(("searched", ilp.solve(_leaving_seeds_time(inp, seeds))))
     except types.SearchTimeout as e:
         timeout = e
-    proven = bool(candidates) and candidates[0][1].optimal
+    free = dict(candidates).get("searched")
+    proven = free is not None and free.optimal
+    # the ILP's optimum is not the estimate's where it runs windowed einsums: the seeds too
+    windowed = proven and _window_s(problem, free.choice) > 0
     skipped = []
-    if not proven:
+    if not proven or windowed:
         for k, (name, fixed) in enumerate(seeds.items()):
             pinned = _pinned(problem, inp, fixed)
             if pinned is None:
                 continue
             if deadline is not None and deadline.expired():
+                if proven:  # solved for the window alone: nothing was cut short
+                    break
                 skipped.append(name)
                 # The expert's inputs, every other node at its cheapest or as a greedy pass
                 # propagates them (as XLA would): kept if it fits.
@@ -184,10 +191,19 @@ def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOp
         raise types.SearchTimeout(
             deadline.limit_s if deadline else inp.solver.time_limit,
             "neither the ILP nor an expert plan's inputs gave a plan that fits in it") from timeout
-    best_name, best = min(candidates, key=lambda c: c[1].objective)
-    if len(candidates) > 1:
-        notes.append("candidates (cost model objective): " + ", ".join(
-            f"{n} {s.objective * 1e3:.3f} ms" for n, s in candidates) + f"; kept {best_name}")
+    if windowed and len(candidates) > 1:
+        totals = {n: estimate_mod.estimate(problem, c, _value_specs(problem, c))[0].total_s
+                  for n, c in ((n, _chosen(problem, s.choice)) for n, s in candidates)}
+        best_name, best = min(candidates, key=lambda c: (totals[c[0]], c[1].objective))
+        notes.append("candidates (estimated step, with the windowed einsums the ILP leaves "
+                     "out): " + ", ".join(f"{n} {totals[n] * 1e3:.3f} ms" for n, _ in candidates)
+                     + f"; kept {best_name}")
+    else:
+        best_name, best = min(candidates, key=lambda c: c[1].objective)
+        if len(candidates) > 1:
+            notes.append("candidates (cost model objective): " + ", ".join(
+                f"{n} {s.objective * 1e3:.3f} ms" for n, s in candidates)
+                + f"; kept {best_name}")
     if cut_short:
         notes.append(
             f"the search was cut short by the time limit ({deadline.limit_s:g} s): this is the "
@@ -195,6 +211,40 @@ def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOp
             + (f"; expert plans not searched, only evaluated: {', '.join(skipped)}"
                if skipped else "") + "; raise time_limit for a better one")
     return dataclasses.replace(best, solver=f"{best.solver}, {best_name}"), notes
+
+
+def _window_s(problem: Problem, choice) -> float:
+    """The seconds of the TPU compiler's windowed einsums (ReshardPrices.window_time) in the
+    reshards of a solution's choice: what the estimate prices and the ILP's edges leave out
+    (ReshardPrices.window_time says why). Llama2-7B on v5e 4x4: the ILP's optimum ran 226 ms
+    of them, FSDP's inputs completed by the ILP 129 ms, for an objective 1 ms higher
+    (benchmarks/tpu_check.py)."""
+    chosen = _chosen(problem, choice)
+    specs = _value_specs(problem, chosen)
+    graph, total = problem.graph, 0.0
+    for node in graph.nodes:
+        for v, dst in zip(node.inputs, chosen[problem.num_inputs + node.id].in_specs):
+            if v in specs and specs[v] != dst:
+                total += node.trips * problem.reshards.window_time(graph.values[v], specs[v],
+                                                                   dst)
+    return total
+
+
+def _chosen(problem: Problem, choice) -> dict[int, Strategy]:
+    """Member -> its strategy, of a solution's choice (one per root of the ILP)."""
+    root_choice = {r: choice[problem.index[r]] for r in problem.roots}
+    return {m: problem.strategies[m][problem.groups.pick[m][root_choice[problem.groups.root[m]]]]
+            for m in range(len(problem.strategies))}
+
+
+def _value_specs(problem: Problem, chosen) -> dict[int, ShardSpec]:
+    """Value -> its layout where it is made (an input's chosen spec, a node's output spec)."""
+    graph, n_in = problem.graph, problem.num_inputs
+    specs = {v: chosen[i].out_specs[0] for i, v in enumerate(graph.inputs)}
+    for node in graph.nodes:
+        for v, spec in zip(node.outputs, chosen[n_in + node.id].out_specs):
+            specs.setdefault(v, spec)
+    return specs
 
 
 def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
@@ -231,15 +281,9 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
     if whiles:
         notes.append("while loops have no trip count JAX knows: priced as running "
                      f"{', '.join(f'{t:g}' for t in whiles)} time(s) (option while_trips)")
-    root_choice = {r: solution.choice[problem.index[r]] for r in problem.roots}
-    chosen: dict[int, Strategy] = {}
-    for m in range(len(problem.strategies)):
-        k = root_choice[problem.groups.root[m]]
-        chosen[m] = problem.strategies[m][problem.groups.pick[m][k]]
+    chosen = _chosen(problem, solution.choice)
     n_in = problem.num_inputs
-    value_specs: dict[int, ShardSpec] = {}
-    for i, v in enumerate(graph.inputs):
-        value_specs[v] = chosen[i].out_specs[0]
+    value_specs = _value_specs(problem, chosen)
     node_strategies = {}
     constrained = set()
     # value -> the layout a twin (Problem.twins) reshards it from, where the emitted program
@@ -252,7 +296,6 @@ def plan_intra(graph: Graph, mesh: MeshShape, cost: AlphaBetaCost,
         node_strategies[node.id] = s
         twin = problem.twins.get(s)
         for k, (v, spec) in enumerate(zip(node.outputs, s.out_specs)):
-            value_specs.setdefault(v, spec)
             if twin is not None and twin[0] == k and not twin[1].partial:
                 # constrained gathered where it is made, XLA would run the cast itself
                 # gathered, on its wider input
