@@ -555,3 +555,89 @@ def test_a_stacked_weight_cast_in_its_scan_is_cast_whole_before_it_on_tpu():
     # the whole stack in bf16, split as the cast in the body is: 4 x 16 x 16 x 2 bytes / split
     assert max(cast.nbytes) == pytest.approx(tpu.scale * 4 * 16 * 16 * 2)
     assert min(cast.nbytes) == pytest.approx(tpu.scale * 4 * 16 * 16 * 2 / 8)
+
+
+def _sgd_mlp_problem(compiler):
+    """Two bf16 dense layers with a relu between, one SGD step, on 2x4 for tpu-v5e (the
+    weight gradients' dots contract 1024 rows a device: reshard_prices.WINDOW_CONTRACTING)."""
+    import jax.numpy as jnp
+
+    from shardplan.cost.model import AlphaBetaCost
+    from shardplan.intra.problem import Problem
+    from shardplan.intra.settings import IntraOptions
+
+    def loss(w1, w2, x):
+        return jnp.sum((jax.nn.relu(x @ w1 + 1.0) @ w2).astype(jnp.float32))
+
+    def step(w1, w2, x):
+        g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2, x)
+        return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+    traced = trace(step, (w, w, jax.ShapeDtypeStruct((8192, 1024), jnp.bfloat16)), (0, 1), (2,))
+    graph = lift(traced.closed_jaxpr, traced.arg_info)
+    mesh = MeshShape(("data", "model"), (2, 4))
+    cost = AlphaBetaCost(mesh, get_profile("tpu-v5e"))
+    return graph, Problem(graph, mesh, cost, IntraOptions(compiler=compiler))
+
+
+def test_an_activation_is_written_where_a_windowed_dot_reads_it():
+    """On the TPU compiler a relu of a dot's output, which the next dot and its weight
+    gradient's dot read, is recomputed in their fusions, but where the weight gradient's dot
+    runs as a windowed einsum (its partial sum over the whole slice, reduce-scattered over it)
+    the relu is that loop's operand, written whole: a copy over the dot's choice and its
+    reader's. tests/test_memory_tpu.py's MLP on v5e 2x4: 1.42 of the compiled peak with the
+    relu always written (its 2-D plan windows nothing), FSDP 0.77 with it never written."""
+    import numpy as np
+
+    graph, problem = _sgd_mlp_problem("tpu")
+    model = problem.memory()
+    relu = next(n for n in graph.nodes if n.primitive == "max")
+    assert relu.outputs[0] in model.virtual  # not written in itself
+    copies = [c for c in model.copies if c.what.endswith("a windowed dot's operand")]
+    assert len(copies) == 1 and copies[0].what.startswith("max ")
+    (dot,) = [d for d in model.windows if relu.outputs[0] in graph.nodes[d].inputs]
+    may, scattering = model.windows[dot]
+    root = problem.groups.root
+    rd, (n, scatters) = root[problem.num_inputs + dot], scattering[0]
+    choice = {r: 0 for r in problem.roots}
+    for k_dot, k_reader, written in ((np.argmax(may), np.argmax(scatters), True),
+                                     (np.argmax(may), np.argmin(scatters), False),
+                                     (np.argmin(may), np.argmax(scatters), False)):
+        choice.update({rd: int(k_dot), root[n]: int(k_reader)})
+        assert (dot in model.windowed(choice)) == written
+        held = [b for _, _, b, w in model.live(choice) if w == copies[0].what]
+        assert bool(held and held[0] > 0) == written
+    # XLA:CPU windows nothing
+    cpu = _sgd_mlp_problem("cpu")[1].memory()
+    assert not cpu.windows and not any("windowed" in c.what for c in cpu.copies)
+
+
+def test_a_slice_is_taken_into_its_readers_fusion_on_tpu():
+    """A reshard that only slices (the batch split over `data`, read split over the slice)
+    is a dynamic slice the TPU compiler runs inside the reading dot's fusion: no copy in the
+    plan's peak (the MLP of tests/test_memory_tpu.py on v5e 2x4: its batch and target, 64
+    and 128 MiB a chip, were counted); on XLA:CPU it is a copy."""
+    from shardplan.intra.memory.model import slices_only
+    from shardplan.strategies.spec import ShardSpec
+
+    assert slices_only(ShardSpec((("data",), ())), ShardSpec((("data", "model"), ())))
+    assert not slices_only(ShardSpec((("data",), ())), ShardSpec((("model", "data"), ())))
+    assert not slices_only(ShardSpec((("data",), ())), ShardSpec(((), ("data",))))
+    for compiler, counted in (("tpu", False), ("cpu", True)):
+        graph, problem = _sgd_mlp_problem(compiler)
+        model = problem.memory()
+        x = graph.inputs[2]
+        first = min((n for n in graph.nodes if x in n.inputs), key=lambda n: model.pos[n.id])
+        (copy,) = [c for c in model.copies if c.what == f"reshard of v{x} for dot_general "
+                   f"{first.name}"]
+        src = next(k for k in range(len(problem.strategies[copy.a]))
+                   if problem.out_spec(2, 0, k) == ShardSpec((("data",), ())))
+        dst = next(k for k in range(len(problem.strategies[copy.b]))
+                   if problem.in_spec(problem.num_inputs + first.id, 0, k)
+                   == ShardSpec((("data", "model"), ())))
+        choice = {r: 0 for r in problem.roots}
+        choice.update({copy.a: src, copy.b: dst})
+        # what no windowed dot reads (the choice of every other member is its first)
+        assert not model.windowed(choice) & (copy.sliced or (None, None, set()))[2]
+        assert any(w == copy.what for *_, w in model.live(choice)) == counted

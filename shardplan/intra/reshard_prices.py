@@ -25,7 +25,7 @@ WINDOW_CONTRACTING = 512
 # and 4x4 (and Llama2-7B's gradients on 4x4), not over both axes of 4x8, 8x8 or 16x16, nor
 # over one axis of 2x4, 4x8 or 16x16 (x^T dy with 1024 to 8192 rows a chip).
 WINDOW_CHIPS = 16
-# Ops that keep a partial sum partial when their other operands are scalars (_dot_made).
+# Ops that keep a partial sum partial when their other operands are scalars (dot_made).
 _LINEAR = frozenset({"convert_element_type", "mul", "div", "neg", "copy", "copy_p"})
 
 
@@ -79,7 +79,7 @@ class ReshardPrices:
         if set(src.partial) - over or not self.mesh.size(tuple(over)) == self.mesh.size() <= (
                 WINDOW_CHIPS):
             return 0.0
-        found = self._dot_made(value) if scattered else None
+        found = self.dot_made(value) if scattered else None
         if found is None:
             return 0.0
         node, dims = found  # dims[i]: the dot result's dim that is value's dim i
@@ -101,6 +101,20 @@ class ReshardPrices:
         split = math.prod(self.mesh.size(src.dims[i]) for i in (*range(nb), *free))
         return (steps - 1) * whole.nbytes / (partial * split) / self.cost.hardware.mem_bandwidth
 
+    def may_window(self, node, out: ShardSpec) -> bool:
+        """Whether the TPU compiler may run dot `node`, its result laid out as `out`, as a
+        windowed einsum: its partial sum over the whole slice, of at most WINDOW_CHIPS chips,
+        its contracting dimensions holding more than WINDOW_CONTRACTING elements a device
+        (window_time prices it where the sum is reduce-scattered, as it is there)."""
+        if (self.cost.hardware.backend != "tpu" or node.primitive != "dot_general"
+                or not out.partial
+                or not self.mesh.size(out.partial) == self.mesh.size() <= WINDOW_CHIPS):
+            return False
+        lhs, rhs = (self.graph.values[v] for v in node.inputs[:2])
+        dd = DotDims.of(node.params, lhs.ndim, rhs.ndim)
+        return (math.prod(lhs.shape[d] for d in dd.lhs_contract) / self.mesh.size(out.partial)
+                > WINDOW_CONTRACTING)
+
     def whole_first(self, value: Value, src: ShardSpec, dst: ShardSpec) -> ShardSpec | None:
         """The layout a partial sum is reduced into before it is resharded to `dst`, where XLA
         does not slice it first (the primitive table's reduced_whole: the slice cannot move
@@ -120,7 +134,7 @@ class ReshardPrices:
         p = self.producer.get(value.id, (0, 0))[0] - self.num_inputs
         return p >= 0 and primitives.info(self.graph.nodes[p].primitive).reduced_whole
 
-    def _dot_made(self, value: Value, depth: int = 6):
+    def dot_made(self, value: Value, depth: int = 6):
         """(the dot_general whose result `value` is, through what keeps a partial sum
         partial: a transpose, a cast, a product or quotient by a scalar, a negation; for each
         of value's dims the dot result's dim it is), or None."""

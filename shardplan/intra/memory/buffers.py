@@ -42,3 +42,6 @@ class LiveCopy:
     start: int
     end: int
     what: str = ""
+    # the two layouts by choice, where the copy is a reshard its reader could take into its
+    # fusion if it only slices (compilers.Rules.fused_slices; MemoryModel.live)
+    sliced: tuple | None = None

@@ -34,9 +34,11 @@ class Rules:
     written)."""
     output_fusions: bool
     """A value two or more dots read is written, not recomputed in the dots' operand fusions,
-    when it is an elementwise value of a dot's output (a bias add and relu or gelu: written
-    by the dot's output fusion beside the pre-activation its gradient reads) or made by a
-    costly op (attention's probabilities): dot_operands.written."""
+    when it is made by a costly op (attention's probabilities: dot_operands.written), or is
+    an elementwise value of a dot's output (a bias add and relu or gelu) that a windowed
+    einsum reads, its loop's operand, written by the dot's output fusion beside the
+    pre-activation (dot_operands.window_operand; MemoryModel._window_operands); and a step's
+    input that a windowed einsum contracts over a major dimension is copied for it."""
     recomputes: bool
     """An elementwise value (or a broadcast, reshape, slice, a generator's bits) that several
     fused ops read is recomputed in each, never written, unless a reduction reads it too and
@@ -57,6 +59,10 @@ class Rules:
     hoisted_stack_converts: bool
     """A scan's stacked input whose slice the body casts to a narrower float (f32 weights to
     bf16) is cast whole before the loop and the cast held to the last loop slicing it."""
+    fused_slices: bool
+    """A reshard that only slices a value (each device's part of the new layout lies in its
+    part of the old one: no communication) is taken into its reader's fusion, a dot's, a
+    reduction's or an elementwise op's, never written (else the slice is a copy)."""
     holds_gradients: bool
     """The gradients a plan reduces are held for one combined all-reduce after the last of
     them (intra/memory/gradient_holds.py), else each is reduced where it is made."""
@@ -120,6 +126,7 @@ CPU = Rules(
     reduction_broadcasts=True,
     conv_layout_copies=True,
     layout_copies=True,
+    fused_slices=False,
     hoisted_stack_converts=False,
     holds_gradients=True,
     # the scalars XLA:CPU's temp allocation holds (a partial sum and its all-reduced copy,
@@ -134,8 +141,8 @@ CPU = Rules(
 # elementwise value in every fusion that reads it (a GPT's backward pass recomputes its
 # dropout masks and the loss's softmax exp from the logits; the attention's exp, which its
 # sum and its normalising divide read, is held), but for an activation of a dot's output that
-# two dots read (the next layer's and its weight gradient's), which the dot's output fusion
-# writes beside the pre-activation; it convolves any layout, assigns its operands' layouts in
+# a windowed einsum reads (the weight gradient's, reduce-scattered over the slice), which the
+# dot's output fusion writes beside the pre-activation; it convolves any layout, assigns its operands' layouts in
 # place, and reduces each gradient where it is made (an MLP's data-parallel gradients: one
 # all-reduce each, none held for the others).
 TPU = Rules(
@@ -145,7 +152,7 @@ TPU = Rules(
     reductions_fuse_producers=True,
     dots_fuse_producers=True,
     # an MLP's relu and a GPT's gelu written beside their pre-activations by the fusion of
-    # the dot before them (tests/test_memory_tpu.py)
+    # the dot before them where a windowed einsum reads them (tests/test_memory_tpu.py)
     output_fusions=True,
     recomputes=True,
     shared_broadcasts=False,
@@ -153,6 +160,9 @@ TPU = Rules(
     reduction_broadcasts=False,
     conv_layout_copies=False,
     layout_copies=False,
+    # an MLP's batch split over `data` and read split over the slice by its first dot: the
+    # dynamic slice runs inside the dot's fusion (tests/test_memory_tpu.py's MLP, 2-D plan)
+    fused_slices=True,
     # Llama2-7B and 70B, layers scanned (benchmarks/tpu_check.py): each f32 stacked weight
     # cast to bf16 whole before the forward scan, held through the backward one
     hoisted_stack_converts=True,

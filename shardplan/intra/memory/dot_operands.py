@@ -69,14 +69,26 @@ def _costly(graph, node, producer, readers, depth: int = 16) -> bool:
                for u in node.inputs if not graph.values[u].is_literal)
 
 
+def window_operand(graph, node, rs, producer) -> bool:
+    """An elementwise value of one dot's output (_dot_made: a bias add and relu or gelu) that
+    two or more dots read (the next layer's, and its weight gradient's in the backward).
+    Where one of them runs as a windowed einsum (a loop of collective-permutes: ReshardPrices.
+    may_window), the value is the loop's operand, written whole: the dot's output fusion
+    writes it beside the pre-activation (model.py counts it so); else the dots recompute it
+    in their operand fusions. v5e 2x4, the MLP of tests/test_memory_tpu.py: its weight
+    gradients reduce-scattered over the slice as windowed einsums, each relu written beside
+    its pre-activation; its weights gathered for the dots and their gradients not scattered
+    over the whole slice (the 2-D plan), one 64 MiB buffer a layer, the pre-activation
+    (tests/test_intra_liveness.py::test_an_activation_is_written_where_a_windowed_dot_reads_it)."""
+    dots = [r for r in rs if graph.nodes[r].primitive == "dot_general"]
+    return len(dots) >= 2 and _dot_made(graph, node, producer)
+
+
 def written(graph, node, rs, producer, readers) -> bool:
     """A value two or more dots read (the next layer's dot and its weight gradient's dot in
     the backward) that the TPU compiler writes rather than recompute in each dot's operand
-    fusion:
-    - an elementwise value of one dot's output (_dot_made): written as a second output of the
-      dot's output fusion, beside the pre-activation its gradient reads. v5e 2x4
-      (tests/test_memory_tpu.py): an MLP's fusion of dot, bias add and relu writes the relu
-      and the pre-activation; GPT's of dot, bias add and gelu the gelu and the pre-activation;
+    fusion, whatever the plan (an activation of a dot's output is written where the plan
+    windows a dot reading it: window_operand):
     - a cast to a narrower float of what a COSTLY op made (_costly): Llama2-70B's
       rematerialized backward on v5p 16x16 wrote attention's probabilities cast to bf16 (1
       GiB a chip), which the recomputed forward's dot and the value gradient's dot read, and
@@ -88,8 +100,6 @@ def written(graph, node, rs, producer, readers) -> bool:
     dots = [r for r in rs if graph.nodes[r].primitive == "dot_general"]
     if len(dots) < 2:
         return False
-    if _dot_made(graph, node, producer):
-        return True
     narrowed = (node.primitive == "convert_element_type" and graph.values[node.outputs[0]].itemsize
                 < graph.values[node.inputs[0]].itemsize)
     same_pass = sum(backward(graph.nodes[r]) == backward(node) for r in dots) >= 2
