@@ -296,16 +296,30 @@ inputs pinned (a /tmp-only probe forcing the expert seeds). What the ILP leaves 
 windowed reduce-scatters' memory time (`ReshardPrices.window_time`, in the estimate's compute
 and not in the ILP: issue 30): 225.9 ms of the searched plan's estimate, 128.9 ms of FSDP's
 completion. With it set to 0 both estimates are 3275 ms (searched 3275.1, FSDP 3275.8).
-Tried and left out: on TPU slices of at most 16 chips, solving the expert seeds even when the
-free solve is proven (3 s each) and keeping the candidate of the least estimate. The 7B then
-keeps its FSDP-seeded plan, 3404.09 ms estimated (the ILP 25 s instead of 5 s), but the
-test-size MLP of tests/test_memory_tpu.py keeps a plan whose heap the TPU memory rules
-over-count by 42% (and the GPT one by 13%): the rules' gap that kept the window out of the
-ILP (ReshardPrices.window_time) is the next step. Read on that MLP's dump (benchmarks/
-xla_live.py): its forward dots run as windowed all-gather einsums (async collective fusions
-gathering [1024, 4096] weight chunks), and the TPU holds one bf16 [8192, 4096] a layer, the
-dot's output, where the model holds it and the relu beside it (compilers.Rules.output_fusions:
-a dot's output fusion writes the relu too, read off programs whose dots were not windowed).
+Session 26 (libtpu 0.0.42.1): on TPU slices of at most 16 chips, where the ILP's proven
+optimum runs windowed einsums, the expert seeds are solved too and the candidate of the least
+estimate is kept (intra.planner._window_s). `--cases llama2-7b`, one run each:
+
+    plan      fits  est GiB  TPU GiB  est/TPU  est ms   priced ms  est/priced  opt_s ms
+    searched  yes   14.72    14.74    1.00     3404.09  3519.49    0.97        174.32
+    maxtext   yes   14.47    14.74    0.98     3404.87  3520.45    0.97        174.41
+
+    searched / maxtext: 1.000 priced (0.9997), 0.999 by optimal_seconds; search 42 s idle
+    (55 s beside a TPU compile), kept FSDP's inputs completed by the ILP
+
+Pricing the window in the ILP's edges instead (a /tmp probe) gave a plan estimated at 3335.84
+ms and priced at 3990.66 (0.84): the TPU windows reshards the estimate prices otherwise.
+The same guard on the test-size MLP and GPT of tests/test_memory_tpu.py (v5e 2x4, measure on,
+every expert compiled) keeps the 2-D plan, priced 20.94 and 9.65 ms, where the ILP's optimum
+was priced 22.72 and 10.71 (1.085x and 1.109x; measured selection kept the 2-D plan anyway).
+Their heaps were over-counted 42% and 13%; read on the MLP's dumps (benchmarks/xla_live.py):
+an activation of a dot's output is written beside its pre-activation only where a windowed
+einsum reads it as its loop's operand (FSDP: the weight gradients reduce-scattered over the
+slice), and a reshard that only slices (the batch split over `data`, read over the slice) is
+a dynamic slice inside its reader's fusion. The memory model now says both
+(intra/memory/windows.py, compilers.Rules.fused_slices): MLP 1.065 (2-D) and 0.965
+(FSDP), GPT 1.034 and 1.048. Llama at test size keeps the 2-D plan too, at 1.31 (1.05 for the
+ILP's optimum before): not yet read.
 
 Where the communication goes, read with a /tmp-only probe on the 70B's layer cut to 2 layers
 (bf16, f32 weights, remat, chunks of 512), one compile each: on 16x16 (global batch 512)

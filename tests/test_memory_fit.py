@@ -590,6 +590,8 @@ def test_an_activation_is_written_where_a_windowed_dot_reads_it():
     relu always written (its 2-D plan windows nothing), FSDP 0.77 with it never written."""
     import numpy as np
 
+    from shardplan.intra.memory import windows
+
     graph, problem = _sgd_mlp_problem("tpu")
     model = problem.memory()
     relu = next(n for n in graph.nodes if n.primitive == "max")
@@ -605,7 +607,7 @@ def test_an_activation_is_written_where_a_windowed_dot_reads_it():
                                      (np.argmax(may), np.argmin(scatters), False),
                                      (np.argmin(may), np.argmax(scatters), False)):
         choice.update({rd: int(k_dot), root[n]: int(k_reader)})
-        assert (dot in model.windowed(choice)) == written
+        assert (dot in windows.windowed(model, choice)) == written
         held = [b for _, _, b, w in model.live(choice) if w == copies[0].what]
         assert bool(held and held[0] > 0) == written
     # XLA:CPU windows nothing
@@ -618,7 +620,8 @@ def test_a_slice_is_taken_into_its_readers_fusion_on_tpu():
     is a dynamic slice the TPU compiler runs inside the reading dot's fusion: no copy in the
     plan's peak (the MLP of tests/test_memory_tpu.py on v5e 2x4: its batch and target, 64
     and 128 MiB a chip, were counted); on XLA:CPU it is a copy."""
-    from shardplan.intra.memory.model import slices_only
+    from shardplan.intra.memory import windows
+    from shardplan.intra.memory.windows import slices_only
     from shardplan.strategies.spec import ShardSpec
 
     assert slices_only(ShardSpec((("data",), ())), ShardSpec((("data", "model"), ())))
@@ -639,5 +642,5 @@ def test_a_slice_is_taken_into_its_readers_fusion_on_tpu():
         choice = {r: 0 for r in problem.roots}
         choice.update({copy.a: src, copy.b: dst})
         # what no windowed dot reads (the choice of every other member is its first)
-        assert not model.windowed(choice) & (copy.sliced or (None, None, set()))[2]
+        assert not windows.windowed(model, choice) & (copy.sliced or (None, None, set()))[2]
         assert any(w == copy.what for *_, w in model.live(choice)) == counted

@@ -216,9 +216,9 @@ def _solve_with_seeds(problem: Problem, inp: types.SolverInput, options: IntraOp
 def _window_s(problem: Problem, choice) -> float:
     """The seconds of the TPU compiler's windowed einsums (ReshardPrices.window_time) in the
     reshards of a solution's choice: what the estimate prices and the ILP's edges leave out
-    (ReshardPrices.window_time says why). Llama2-7B on v5e 4x4: the ILP's optimum ran 226 ms
-    of them, FSDP's inputs completed by the ILP 129 ms, for an objective 1 ms higher
-    (benchmarks/tpu_check.py)."""
+    (ReshardPrices.window_time says why). Llama2-7B on v5e 4x4: the ILP's optimum runs more
+    of them than FSDP's inputs completed by the ILP, whose objective is hardly higher and whose
+    estimate and compiled program are lower (benchmarks/tpu_check.py's docstring)."""
     chosen = _chosen(problem, choice)
     specs = _value_specs(problem, chosen)
     graph, total = problem.graph, 0.0

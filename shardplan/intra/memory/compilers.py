@@ -37,7 +37,7 @@ class Rules:
     when it is made by a costly op (attention's probabilities: dot_operands.written), or is
     an elementwise value of a dot's output (a bias add and relu or gelu) that a windowed
     einsum reads, its loop's operand, written by the dot's output fusion beside the
-    pre-activation (dot_operands.window_operand; MemoryModel._window_operands); and a step's
+    pre-activation (dot_operands.window_operand; windows.operand_copies); and a step's
     input that a windowed einsum contracts over a major dimension is copied for it."""
     recomputes: bool
     """An elementwise value (or a broadcast, reshape, slice, a generator's bits) that several

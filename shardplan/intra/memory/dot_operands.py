@@ -74,7 +74,7 @@ def window_operand(graph, node, rs, producer) -> bool:
     two or more dots read (the next layer's, and its weight gradient's in the backward).
     Where one of them runs as a windowed einsum (a loop of collective-permutes: ReshardPrices.
     may_window), the value is the loop's operand, written whole: the dot's output fusion
-    writes it beside the pre-activation (model.py counts it so); else the dots recompute it
+    writes it beside the pre-activation (windows.operand_copies counts it); else the dots recompute it
     in their operand fusions. v5e 2x4, the MLP of tests/test_memory_tpu.py: its weight
     gradients reduce-scattered over the slice as windowed einsums, each relu written beside
     its pre-activation; its weights gathered for the dots and their gradients not scattered

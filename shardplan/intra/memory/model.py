@@ -43,7 +43,6 @@ import numpy as np
 from shardplan.cost.model import FUSED
 from shardplan.intra.memory import (
     compilers,
-    dot_operands,
     gradient_holds,
     ilp_rows,
     layouts,
@@ -51,12 +50,11 @@ from shardplan.intra.memory import (
     masks,
     originals,
     stack_casts,
+    windows,
 )
 from shardplan.intra.memory.buffers import Buffer, LiveCopy, is_tensor
 from shardplan.intra.memory.liveness import lifetimes, schedule
 from shardplan.ir import primitives
-from shardplan.strategies.dot import DotDims
-from shardplan.strategies.spec import ShardSpec
 
 # What the model does not see of XLA's buffers, as a share of the step's activations (every
 # buffer but its inputs and outputs, which it counts exactly): XLA's heap gaps, small beside
@@ -186,9 +184,9 @@ class MemoryModel:
                     self.copies.append(LiveCopy(root[m], ka, scale * sizes(v, m, k), root[t], kb,
                                             np.zeros(len(kb)), pos[node.id], pos[node.id],
                                             f"state {t} computed in another layout"))
-        self.windows = self._windows() if rules.output_fusions or rules.fused_slices else {}
+        self.windows = windows.windows(self) if rules.output_fusions or rules.fused_slices else {}
         if rules.output_fusions:
-            self.copies += self._window_operands(readers, virtual)
+            self.copies += windows.operand_copies(self, readers, virtual)
         for node in g.nodes:
             # XLA:CPU convolves NHWC operands with HWIO kernels: an operand laid out otherwise
             # (a kernel gradient's images, whose batch is their channels) is first copied
@@ -237,97 +235,6 @@ class MemoryModel:
         for mk in self.masks:
             self.copies += masks.ilp_copies(mk)
         self._add_operand_copies(lay, frozenset(counted))
-
-    def _windows(self) -> dict[int, tuple]:
-        """The dots the TPU compiler may run as windowed einsums: dot node id -> (its choices
-        that may window (ReshardPrices.may_window: its partial sum spans the slice), [(a reader
-        member, that reader's choices that take the sum, or what is cast or transposed of it,
-        scattered over the slice, as window_time prices it)]). A dot is windowed where both
-        hold (windowed)."""
-        p = self.problem
-        g, root = p.graph, p.groups.root
-        if p.cost.hardware.backend != "tpu":
-            return {}
-        out: dict[int, tuple] = {}
-        for node in g.nodes:
-            n = p.num_inputs + node.id
-            for i, w in enumerate(node.inputs):
-                found = p.reshards.dot_made(g.values[w]) if w in p.producer else None
-                if found is None:
-                    continue
-                dot, m = found[0], p.num_inputs + found[0].id
-                if dot.id not in out:
-                    out[dot.id] = (np.array([p.reshards.may_window(dot, p.out_spec(m, 0, k))
-                                             for k in range(len(p.strategies[root[m]]))]), [])
-                if not out[dot.id][0].any() or root[n] == root[m]:
-                    continue
-                value = g.values[w]
-                src = ShardSpec.replicated(value.ndim).with_partial(p.mesh.names)
-                scatters = np.array([p.reshards.window_time(value, src, p.in_spec(n, i, k)) > 0
-                                     for k in range(len(p.strategies[root[n]]))])
-                if scatters.any():
-                    out[dot.id][1].append((n, scatters))
-        return {d: (may, rs) for d, (may, rs) in out.items() if rs}
-
-    def windowed(self, root_choice: Mapping[int, int]) -> set[int]:
-        """The dots (node ids) a plan runs as windowed einsums (_windows)."""
-        root = self.problem.groups.root
-        return {d for d, (may, rs) in self.windows.items()
-                if may[root_choice[root[self.problem.num_inputs + d]]]
-                and any(sc[root_choice[root[n]]] for n, sc in rs)}
-
-    def _window_operands(self, readers, virtual) -> list[LiveCopy]:
-        """An activation of a dot's output that a windowed dot reads (dot_operands.
-        window_operand): the loop's operand, written whole in the layout that dot reads it
-        in, from where it is made to that dot; a copy over the dot's choices (the activation's
-        bytes where it may window) and its reader's (counted where that reader scatters:
-        _windows)."""
-        p = self.problem
-        g, root = p.graph, p.groups.root
-        producer = {v: node.id for node in g.nodes for v in node.outputs}
-        out = []
-        for v in sorted(virtual):
-            rs = readers.get(v, ())
-            if v not in producer or not dot_operands.window_operand(
-                    g, g.nodes[producer[v]], rs, producer):
-                continue
-            made = g.nodes[producer[v]]
-            for r in rs:
-                if r not in self.windows:
-                    continue
-                may, scattering = self.windows[r]
-                dot, m = g.nodes[r], p.num_inputs + r
-                j = dot.inputs.index(v)
-                nbytes = np.where(may, [p.cost.value_bytes(g.values[v], p.in_spec(m, j, k))
-                                        for k in range(len(may))], 0.0)
-                n, scatters = scattering[0]  # the first reader: XLA reduces the sum once
-                out.append(LiveCopy(root[m], np.zeros(len(may), int),
-                                    self.scale * np.ceil(nbytes), root[n],
-                                    scatters.astype(int), np.zeros(len(scatters)),
-                                    self.pos[made.id], self.pos[r],
-                                    f"{made.primitive} {made.name}, a windowed dot's operand"))
-        # A step's input that a windowed dot contracts over a dimension other than its minor
-        # one: copied into the layout the loop reads, from its first reader to that dot (the
-        # MLP's batch, read by its first weight gradient's windowed dot: bf16[8192, 4096]
-        # copied as {0,1}, v5e 2x4, FSDP).
-        inputs = set(g.inputs)
-        for r, (may, scattering) in self.windows.items():
-            dot, m = g.nodes[r], p.num_inputs + r
-            lhs, rhs = (g.values[v] for v in dot.inputs[:2])
-            dd = DotDims.of(dot.params, lhs.ndim, rhs.ndim)
-            for j, contract in enumerate((dd.lhs_contract, dd.rhs_contract)):
-                v = dot.inputs[j]
-                if v not in inputs or list(contract) == [g.values[v].ndim - 1]:
-                    continue
-                nbytes = np.where(may, [p.cost.value_bytes(g.values[v], p.in_spec(m, j, k))
-                                        for k in range(len(may))], 0.0)
-                n, scatters = scattering[0]
-                out.append(LiveCopy(root[m], np.zeros(len(may), int),
-                                    self.scale * np.ceil(nbytes), root[n],
-                                    scatters.astype(int), np.zeros(len(scatters)),
-                                    min(self.pos[u] for u in readers[v]), self.pos[r],
-                                    f"input v{v} laid out for a windowed dot"))
-        return out
 
     def _add_operand_copies(self, lay, counted: frozenset[int]) -> None:
         p = self.problem
@@ -453,9 +360,7 @@ class MemoryModel:
                                             start, last, f"reshard of v{v} for {what}"))
                     needs.append(originals.Need(at, held[0], kh, rm, km, False))
                 else:
-                    # a slice the reader takes into its fusion, but where a windowed dot
-                    # reads the copy: the loop's operand, written (MemoryModel.live)
-                    # (not a loop's operand, made outside the loop that reads it)
+                    # a slice its reader may take into its fusion (windows.py; live())
                     reader = g.nodes[m - p.num_inputs]
                     sliced = ((srcs[0], dsts[0], frozenset(
                         r - p.num_inputs for r, _ in readers[v]) & set(self.windows))
@@ -518,10 +423,10 @@ class MemoryModel:
             end, copies = masks.evaluate(mk, b.start, b.end, root_choice)
             items[mk.buffer] = (b.start, end, items[mk.buffer][2], b.what)
             items += [(lo, hi, nbytes, f"{b.what}: mask resharded") for lo, hi, nbytes in copies]
-        windowed = self.windowed(root_choice) if self.windows else set()
+        windowed = windows.windowed(self, root_choice) if self.windows else set()
         for j, c in enumerate(self.copies):
             ka, kb = root_choice[c.a], root_choice[c.b]
-            if c.sliced is not None and slices_only(c.sliced[0][ka], c.sliced[1][kb]) and not (
+            if c.sliced is not None and windows.slices_only(c.sliced[0][ka], c.sliced[1][kb]) and not (
                     c.sliced[2] & windowed):
                 continue  # taken into the reader's fusion (Rules.fused_slices)
             if j not in self.mask_copies and c.key_a[ka] != c.key_b[kb]:
@@ -543,10 +448,3 @@ class MemoryModel:
         np.add.at(change, ends.astype(int) + 1, -sizes)
         return max(0.0, float(np.cumsum(change).max()))
 
-
-def slices_only(src: ShardSpec, dst: ShardSpec) -> bool:
-    """Whether resharding src to dst only slices: neither partial, and each of dst's dims
-    split over src's axes of that dim and then more (each device's part of dst lies in its
-    part of src)."""
-    return (not src.partial and not dst.partial and src != dst
-            and all(d[:len(s)] == s for s, d in zip(src.dims, dst.dims)))
