@@ -42,6 +42,7 @@ class LiveCopy:
     start: int
     end: int
     what: str = ""
-    # the two layouts by choice, where the copy is a reshard its reader could take into its
-    # fusion if it only slices (compilers.Rules.fused_slices; MemoryModel.live)
+    # where the copy is a reshard its reader could take into its fusion if it only slices
+    # (compilers.Rules.fused_slices; MemoryModel.live): (the source's layouts by choice, the
+    # reader's, the node ids of the dots reading the value that may run windowed)
     sliced: tuple | None = None

@@ -74,12 +74,13 @@ def window_operand(graph, node, rs, producer) -> bool:
     two or more dots read (the next layer's, and its weight gradient's in the backward).
     Where one of them runs as a windowed einsum (a loop of collective-permutes: ReshardPrices.
     may_window), the value is the loop's operand, written whole: the dot's output fusion
-    writes it beside the pre-activation (windows.operand_copies counts it); else the dots recompute it
-    in their operand fusions. v5e 2x4, the MLP of tests/test_memory_tpu.py: its weight
-    gradients reduce-scattered over the slice as windowed einsums, each relu written beside
-    its pre-activation; its weights gathered for the dots and their gradients not scattered
-    over the whole slice (the 2-D plan), one 64 MiB buffer a layer, the pre-activation
-    (tests/test_intra_liveness.py::test_an_activation_is_written_where_a_windowed_dot_reads_it)."""
+    writes it beside the pre-activation (windows.operand_copies counts it); else the dots
+    recompute it in their operand fusions. v5e 2x4, the MLP of tests/test_memory_tpu.py: its
+    weight gradients reduce-scattered over the slice as windowed einsums, each relu written
+    beside its pre-activation; its weights gathered for the dots and their gradients not
+    scattered over the whole slice (the 2-D plan), one 64 MiB buffer a layer, the
+    pre-activation (tests/test_memory_fit.py::
+    test_an_activation_is_written_where_a_windowed_dot_reads_it)."""
     dots = [r for r in rs if graph.nodes[r].primitive == "dot_general"]
     return len(dots) >= 2 and _dot_made(graph, node, producer)
 

@@ -426,8 +426,8 @@ class MemoryModel:
         windowed = windows.windowed(self, root_choice) if self.windows else set()
         for j, c in enumerate(self.copies):
             ka, kb = root_choice[c.a], root_choice[c.b]
-            if c.sliced is not None and windows.slices_only(c.sliced[0][ka], c.sliced[1][kb]) and not (
-                    c.sliced[2] & windowed):
+            sl = c.sliced
+            if sl and windows.slices_only(sl[0][ka], sl[1][kb]) and not sl[2] & windowed:
                 continue  # taken into the reader's fusion (Rules.fused_slices)
             if j not in self.mask_copies and c.key_a[ka] != c.key_b[kb]:
                 items.append((c.start, c.end, max(0.0, float(c.bytes_a[ka] + c.bytes_b[kb])),
@@ -447,4 +447,3 @@ class MemoryModel:
         np.add.at(change, starts.astype(int), sizes)
         np.add.at(change, ends.astype(int) + 1, -sizes)
         return max(0.0, float(np.cumsum(change).max()))
-

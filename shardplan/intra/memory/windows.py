@@ -47,12 +47,14 @@ def windows(model) -> dict[int, tuple]:
                 out[dot.id][1].append((n, scatters))
     return {d: (may, rs) for d, (may, rs) in out.items() if rs}
 
+
 def windowed(model, root_choice: Mapping[int, int]) -> set[int]:
     """The dots (node ids) a plan runs as windowed einsums (windows)."""
     root = model.problem.groups.root
     return {d for d, (may, rs) in model.windows.items()
             if may[root_choice[root[model.problem.num_inputs + d]]]
             and any(sc[root_choice[root[n]]] for n, sc in rs)}
+
 
 def operand_copies(model, readers, virtual) -> list[LiveCopy]:
     """An activation of a dot's output that a windowed dot reads (dot_operands.
