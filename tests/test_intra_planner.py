@@ -178,10 +178,10 @@ def _mlp_plan(profile):
 def test_on_a_tpu_slice_the_seeds_are_kept_by_the_estimate_that_prices_the_window():
     """On a TPU slice the estimate prices the windowed einsums the ILP's edges leave out
     (ReshardPrices.window_time): where the ILP's proven optimum runs some, the expert seeds
-    are solved too and the plan of the least estimate is kept. The MLP of
-    tests/test_memory_tpu.py on v5e 2x4, compiled and priced (benchmarks/tpu_check.py): the
-    ILP's optimum was 1.085x the 2-D expert plan kept here. On a CPU target nothing is
-    windowed and the proven optimum is kept alone."""
+    are solved too and the plan of the least estimate is kept (at the size of
+    tests/test_memory_tpu.py's MLP on v5e 2x4, compiled and priced by benchmarks/tpu_check.py,
+    the ILP's optimum was 1.085x the 2-D expert plan the guard keeps). On a CPU target nothing
+    is windowed and the proven optimum is kept alone."""
     import re
 
     intra = _mlp_plan("tpu-v5e")
