@@ -321,6 +321,22 @@ a dynamic slice inside its reader's fusion. The memory model now says both
 (FSDP), GPT 1.034 and 1.048. Llama at test size keeps the 2-D plan too, at 1.31 (1.05 for the
 ILP's optimum before): not yet read.
 
+Reduce-scatters on TPU (session 26, one dot compiled per case, read with analysis.hlo): a
+partial sum split over the summed axis runs as one fused all-reduce and slice on v5e 2x4,
+as an all-reduce and collective-permutes on 4x4 and 16x16; split over the whole slice, as a
+windowed einsum on 2x4 and 4x4 (large contractions) and an all-reduce on 16x16. Priced as
+all-reduces past 16 chips (cost.model.TPU_SCATTER_CHIPS; 4x4's plain ones are still priced
+as reduce-scatters), one run each:
+
+    case                   plan      est GiB  TPU GiB  est ms    priced ms  est/priced
+    llama2-70b (16x16)     searched  15.12    14.47    18693.58  19803.83   0.94
+                           maxtext   14.03    14.58    18888.72  20121.85   0.94
+    mixtral-8x7b (v5p 8x8) searched  94.67    69.16    3040.32   3066.96    0.99
+                           maxtext   49.93    18.06    3180.28   3189.79    1.00
+
+    searched / maxtext: 0.984 (70B; 0.962 before, when its estimate was 0.88 of priced),
+    0.961 (Mixtral; 0.965 before)
+
 Where the communication goes, read with a /tmp-only probe on the 70B's layer cut to 2 layers
 (bf16, f32 weights, remat, chunks of 512), one compile each: on 16x16 (global batch 512)
 estimated 117 ms, priced 174: each MLP weight's bf16 gradient [28672, 8192] all-reduced whole

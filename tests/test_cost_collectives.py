@@ -504,3 +504,20 @@ def test_a_dimension_split_on_two_axes_is_gathered_by_one_all_gather():
     sent, xla_kinds = _xla_bytes(jmesh, src, dst)
     assert xla_kinds == ["all-gather"]
     assert C.comms_bytes(comms, M24) == pytest.approx(sent)
+
+
+def test_a_tpu_slice_past_16_chips_all_reduces_what_it_splits():
+    """The TPU compiler reduce-scatters a partial sum split where it is reduced on slices of up
+    to 16 chips (a fused all-reduce and slice on 2x4, windowed einsums on 2x4 and 4x4); on
+    16x16 it all-reduces the sum whole and slices it: priced so there
+    (cost.model.TPU_SCATTER_CHIPS)."""
+    value = Value(0, (4096, 4096), "bfloat16", 2)
+    for sizes, kind in (((2, 4), "reduce-scatter"), ((4, 4), "reduce-scatter"),
+                        ((16, 16), "all-reduce")):
+        mesh = MeshShape(("data", "model"), sizes)
+        cost = AlphaBetaCost(mesh, get_profile("tpu-v5e"))
+        comms = cost.reshard_comms(value, ShardSpec(((), ()), ("model",)),
+                                   ShardSpec((("model",), ())))
+        assert [c.kind for c in comms] == [kind], sizes
+    cpu = AlphaBetaCost(MeshShape(("data", "model"), (2, 4)), get_profile("cpu"))
+    assert not cpu.forms_reduce_scatter

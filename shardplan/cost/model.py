@@ -23,6 +23,13 @@ FUSED = frozenset(name for name, info in primitives.PRIMITIVES.items() if info.f
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 # Floats XLA:CPU sends through its collectives as f32 (AlphaBetaCost.wire_itemsize).
 NARROW_FLOATS = common.NARROW_FLOATS
+# The TPU compiler reduce-scatters a partial sum split where it is reduced on slices of at
+# most this many chips: as one fused all-reduce and slice on v5e 2x4, as a windowed einsum on
+# 2x4 and 4x4 (intra.reshard_prices.WINDOW_CHIPS; on 4x4 only those: a plain one is an
+# all-reduce and collective-permutes there, which the model does not price yet). On 16x16 it
+# all-reduces the whole sum and slices it, over one axis or both (one dot compiled per case,
+# read with analysis.hlo; Llama2-70B's weight gradients on 16x16: benchmarks/tpu_check.py).
+TPU_SCATTER_CHIPS = 16
 
 
 class AlphaBetaCost:
@@ -50,6 +57,9 @@ class AlphaBetaCost:
     def __init__(self, mesh: MeshShape, hardware: HardwareProfile, device_order=None):
         self.mesh = mesh
         self.hardware = hardware
+        # whether a partial sum split where it is reduced runs as a reduce-scatter here
+        self.forms_reduce_scatter = hardware.forms_reduce_scatter and not (
+            hardware.backend == "tpu" and mesh.size() > TPU_SCATTER_CHIPS)
         self.links = hardware.axis_links(mesh, device_order)
         self._reshard = functools.lru_cache(maxsize=None)(self._reshard_uncached)
         # the collectives and the path of a reshard, asked again for each tied layer's values
@@ -117,7 +127,7 @@ class AlphaBetaCost:
     def _reshard_uncached(self, shape, itemsize, src: ShardSpec, dst: ShardSpec) -> float:
         return collectives.reshard_time(
             shape, itemsize, src, dst, self.mesh, self.links,
-            forms_reduce_scatter=self.hardware.forms_reduce_scatter)
+            forms_reduce_scatter=self.forms_reduce_scatter)
 
     def reshard_time(self, value: Value, src: ShardSpec, dst: ShardSpec) -> float:
         """Seconds to reshard; infinite when dst holds partial sums that src does not (a value
@@ -149,7 +159,7 @@ class AlphaBetaCost:
         """Collective kinds XLA's all-reduce combiner merges when independent (intra/combiner/xla.py):
         all-reduces, and the reduce-scatters an accelerator forms of them (analysis/price.py
         prices the sliced part of XLA:CPU's combined all-reduce as a reduce-scatter there)."""
-        return frozenset({"all-reduce", "reduce-scatter"} if self.hardware.forms_reduce_scatter
+        return frozenset({"all-reduce", "reduce-scatter"} if self.forms_reduce_scatter
                          else {"all-reduce"})
 
     def combined_latency(self, comms) -> float:
@@ -172,7 +182,7 @@ class AlphaBetaCost:
 
     def _comms_uncached(self, shape, itemsize, src: ShardSpec, dst: ShardSpec):
         return collectives.reshard(shape, itemsize, src, dst, self.mesh,
-                                   forms_reduce_scatter=self.hardware.forms_reduce_scatter,
+                                   forms_reduce_scatter=self.forms_reduce_scatter,
                                    links=self.links)
 
     def reshard_path(self, value: Value, src: ShardSpec, dst: ShardSpec) -> tuple[ShardSpec, ...]:
@@ -186,7 +196,7 @@ class AlphaBetaCost:
 
     def _path_uncached(self, shape, itemsize, src: ShardSpec, dst: ShardSpec):
         return collectives.reshard_path(shape, itemsize, src, dst, self.mesh,
-                                        forms_reduce_scatter=self.hardware.forms_reduce_scatter,
+                                        forms_reduce_scatter=self.forms_reduce_scatter,
                                         links=self.links)
 
     def value_bytes(self, value: Value, spec: ShardSpec) -> float:
