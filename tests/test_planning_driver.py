@@ -46,6 +46,9 @@ def test_without_a_binding_budget_the_step_runs_as_a_whole(mesh2x4):
     step, args = _activation_heavy()
     plan = shardplan.auto(step, mesh=mesh2x4, cache=False, memory_budget="1GiB").plan(*args)
     assert plan.grad_accumulation == 1
+    # and the report says why (issue 31: what accumulation was chosen, and why)
+    assert any(n.startswith("grad_accumulation='auto': not accumulated, the step as a whole "
+                            "fits") for n in plan.notes)
 
 
 def test_an_accumulated_plan_saved_and_adopted_runs_the_accumulated_step(mesh2x4, tmp_path):

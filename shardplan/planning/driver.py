@@ -44,7 +44,8 @@ def plan_program(job: Job) -> Plan:
     first, error, caught = _attempt(with_remat, job.replace(least_memory=not ms))
     if first is not None and first.fits() is not False:
         _rewarn(caught)
-        return first
+        return remat.noted(first, "grad_accumulation='auto': not accumulated, the step as a "
+                                  "whole fits the memory budget")
     tried = []
     for i, k in enumerate(ms):
         with progress.phase(job.progress, f"gradients accumulated over {k} micro-batches",
