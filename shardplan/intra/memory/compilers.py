@@ -23,6 +23,8 @@ class Rules:
     name: str
     unfused: frozenset[str]
     """Ops run as loops of their own, never fused into their readers."""
+    also_fused: frozenset[str]
+    """Ops the primitive table leaves unfused that this compiler fuses into their readers."""
     generators: frozenset[str]
     """Generators whose two 32-bit words per element are both written and kept (the bits are
     their xor, fused into the readers), with counters as large again while they run."""
@@ -116,6 +118,7 @@ def tiled_bytes(shape, itemsize: int) -> float:
 CPU = Rules(
     name="cpu",
     unfused=frozenset({"random_bits", "threefry2x32"}),
+    also_fused=frozenset(),
     generators=frozenset({"random_bits"}),
     reductions_fuse_producers=False,
     dots_fuse_producers=False,
@@ -148,6 +151,10 @@ CPU = Rules(
 TPU = Rules(
     name="tpu",
     unfused=frozenset(),
+    # jnp.split's slices (a Llama's rotary halves of q and k), recomputed from q and k in
+    # each reader (tests/test_memory_tpu.py's Llama on v5e 2x4: eight halves, 8 MiB each, were
+    # counted written and held to the backward pass)
+    also_fused=frozenset({"split"}),
     generators=frozenset(),
     reductions_fuse_producers=True,
     dots_fuse_producers=True,

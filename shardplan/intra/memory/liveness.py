@@ -120,7 +120,7 @@ def _materialised(graph, node, rs) -> bool:
 
 # What a compiler that recomputes (compilers.Rules.recomputes) recomputes in each reader.
 RECOMPUTED = frozenset({"elementwise", "broadcast", "reshape", "squeeze", "transpose", "slice",
-                        "rev", "iota", "random", "random_bits"})
+                        "split", "rev", "iota", "random", "random_bits"})
 
 
 def _recomputable(graph, node, rs) -> bool:
@@ -214,7 +214,7 @@ def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -
     counted written, the safe side). A loop's constant is written (_loop_operand), and so is a
     value that several dots read on the TPU compiler (dot_operands.written)."""
     producer = {v: node.id for node in graph.nodes for v in node.outputs}
-    fused = FUSED - rules.unfused
+    fused = (FUSED | rules.also_fused) - rules.unfused
     takes_in = fused if rules.reductions_fuse_producers else fused - REDUCTIONS
     if rules.dots_fuse_producers:
         takes_in = takes_in | {"dot_general"}

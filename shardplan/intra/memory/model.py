@@ -295,9 +295,8 @@ class MemoryModel:
 
         def held_to(m):  # the last moment reader m needs a copy made for it (loop_ends)
             reader = g.nodes[m - n_in]
-            if reader.primitive == "loop_slice" and reader.loop is not None:
-                return max(self.pos[m - n_in], ends[reader.loop])
-            return self.pos[m - n_in]
+            looped = reader.primitive == "loop_slice" and reader.loop is not None
+            return max(self.pos[m - n_in], ends[reader.loop] if looped else 0)
 
         made_in = {v: node.loop for node in g.nodes for v in node.outputs}
         for v in sorted(readers):
@@ -333,7 +332,8 @@ class MemoryModel:
                 seen.add(key)
                 nbytes = lay.sized(g.values[v], dsts)
                 at = self.pos[m - p.num_inputs]
-                last = max([held_to(m), *(end for t, end in heavy_to if t > at)])
+                # to the last read of what is fused into the reader (test_memory_fit.py)
+                last = max([held_to(m), through(m), *(end for t, end in heavy_to if t > at)])
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
                 start = at
                 if src < p.num_inputs and heavy and at == min(heavy):
