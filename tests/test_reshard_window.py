@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplan.analysis import hlo, hlo_bytes, price
+from shardplan.analysis import hlo, hlo_bytes, hlo_collectives, price
 from shardplan.cost.hardware import get_profile
 from shardplan.intra import reshard_prices
 from shardplan.ir.trace import trace
@@ -124,3 +124,45 @@ def test_the_window_is_priced_where_the_tpu_compiler_runs_one(shape, axes, windo
                                        {dot.outputs[0]: (n_in + dot.id, 0)}, n_in,
                                        lambda _: False)
     assert cpu.window_time(out, src, dst) == 0.0
+
+
+def test_a_plain_reduce_scatter_past_8_chips_is_priced_as_the_all_reduce_it_compiles_to(
+        tpu_v5e_2x4):
+    """A partial sum split over the summed axis and not windowed (one axis of the slice): on
+    v5e 2x4 the TPU compiler forms one reduce-scatter (a fused all-reduce and slice), on 4x4
+    it all-reduces the sum and moves the parts with collective-permutes. ReshardPrices prices
+    the all-reduce there (all_reduced_first); a windowed one stays a reduce-scatter."""
+    from shardplan.analysis import targets
+    from shardplan.cost.model import AlphaBetaCost
+    from shardplan.ir.lift import lift
+
+    def wgrad(x, dy):
+        return jnp.einsum("bd,bf->df", x, dy)
+
+    for shape in ((2, 4), (4, 4)):
+        mesh = (tpu_v5e_2x4 if shape == (2, 4) else
+                targets.tpu_mesh(get_profile("tpu-v5e"), MeshShape(BOTH, shape)))
+        split = NamedSharding(mesh, P("model", None))
+        args = [jax.ShapeDtypeStruct((16384, 256), jnp.bfloat16, sharding=split),
+                jax.ShapeDtypeStruct((16384, 512), jnp.bfloat16, sharding=split)]
+        text = jax.jit(wgrad, out_shardings=split).lower(*args).compile().as_text()
+        kinds = {c.kind for c in hlo_collectives.parse_collectives(text)}
+        assert ("reduce-scatter" in kinds) == (shape == (2, 4)), (shape, kinds)
+        assert ("all-reduce" in kinds) == (shape == (4, 4)), (shape, kinds)
+
+        shape_ = MeshShape(BOTH, shape)
+        graph = lift(jax.make_jaxpr(wgrad)(*(jnp.zeros(a.shape, a.dtype) for a in args)))
+        (dot,) = graph.nodes
+        n_in = len(graph.inputs)
+        cost = AlphaBetaCost(shape_, get_profile("tpu-v5e"))
+        prices = reshard_prices.ReshardPrices(
+            graph, shape_, cost, {dot.outputs[0]: (n_in + dot.id, 0)}, n_in, lambda _: False)
+        out = graph.values[dot.outputs[0]]
+        src, dst = ShardSpec(((), ()), ("model",)), ShardSpec((("model",), ()))
+        mid = prices.all_reduced_first(out, src, dst)
+        assert (mid == src.without_partial()) == (shape == (4, 4))
+        priced = [c.kind for c in prices.reshard_comms(out, src, dst)]
+        assert priced == (["reduce-scatter"] if shape == (2, 4) else ["all-reduce"])
+        # over the whole slice, 1024 rows a chip on 4x4, it is windowed: a reduce-scatter
+        whole = ShardSpec(((), ()), BOTH)
+        assert prices.all_reduced_first(out, whole, ShardSpec((BOTH, ()))) is None

@@ -26,7 +26,8 @@ NARROW_FLOATS = common.NARROW_FLOATS
 # The TPU compiler reduce-scatters a partial sum split where it is reduced on slices of at
 # most this many chips: as one fused all-reduce and slice on v5e 2x4, as a windowed einsum on
 # 2x4 and 4x4 (intra.reshard_prices.WINDOW_CHIPS; on 4x4 only those: a plain one is an
-# all-reduce and collective-permutes there, which the model does not price yet). On 16x16 it
+# all-reduce and collective-permutes there, priced as the all-reduce by
+# intra.reshard_prices.ReshardPrices.all_reduced_first). On 16x16 it
 # all-reduces the whole sum and slices it, over one axis or both (one dot compiled per case,
 # read with analysis.hlo; Llama2-70B's weight gradients on 16x16: benchmarks/tpu_check.py).
 TPU_SCATTER_CHIPS = 16

@@ -177,7 +177,8 @@ def estimate(problem: Problem, chosen, value_specs) -> tuple[Estimate, tuple, tu
                         for x in (src, dst))
         if src == dst or (value.ndim == 0 and not src.partial) or (value.id, src, dst) in done:
             return
-        mid = problem.reshards.whole_first(value, src, dst)  # reduced before it is sliced
+        mid = (problem.reshards.whole_first(value, src, dst)  # reduced before it is sliced
+               or problem.reshards.all_reduced_first(value, src, dst))
         if mid is None and scattered_whole(src, dst, read_partial.get(value.id, ()), cost.mesh):
             mid = src.without_partial()
         if mid is not None:

@@ -25,6 +25,12 @@ WINDOW_CONTRACTING = 512
 # and 4x4 (and Llama2-7B's gradients on 4x4), not over both axes of 4x8, 8x8 or 16x16, nor
 # over one axis of 2x4, 4x8 or 16x16 (x^T dy with 1024 to 8192 rows a chip).
 WINDOW_CHIPS = 16
+# A plain reduce-scatter (no windowed einsum) is formed, one fused all-reduce and slice, on
+# slices of at most this many chips: on v5e 4x4 the TPU compiler all-reduces the sum and
+# moves the parts with collective-permutes (one dot compiled per case, read with
+# analysis.hlo; tests/test_reshard_window.py). cost.model.TPU_SCATTER_CHIPS: past 16 chips
+# every reduce-scatter is an all-reduce.
+PLAIN_SCATTER_CHIPS = 8
 # Ops that keep a partial sum partial when their other operands are scalars (dot_made).
 _LINEAR = frozenset({"convert_element_type", "mul", "div", "neg", "copy", "copy_p"})
 
@@ -129,6 +135,20 @@ class ReshardPrices:
             mid = src.without_partial()
         return None if mid == dst else mid
 
+    def all_reduced_first(self, value: Value, src: ShardSpec, dst: ShardSpec
+                          ) -> ShardSpec | None:
+        """The whole sum, where the TPU compiler all-reduces a partial sum that dst splits
+        over a summed axis rather than reduce-scatter it: a plain reduce-scatter (not
+        windowed: window_time) on a slice of more than PLAIN_SCATTER_CHIPS chips that forms
+        them (cost.model.TPU_SCATTER_CHIPS). Priced so (reshard_time, estimate), never
+        emitted: the compiler chooses it. None elsewhere."""
+        if (self.cost.hardware.backend != "tpu" or not self.cost.forms_reduce_scatter
+                or self.mesh.size() <= PLAIN_SCATTER_CHIPS or not src.partial or dst.partial
+                or not set(src.partial) & {a for d in dst.dims for a in d}
+                or self.window_time(value, src, dst) > 0):
+            return None
+        return src.without_partial()
+
     def reduced_whole(self, value: Value) -> bool:
         """Whether an op the primitive table marks reduced_whole made `value`."""
         p = self.producer.get(value.id, (0, 0))[0] - self.num_inputs
@@ -161,7 +181,7 @@ class ReshardPrices:
     def reshard_comms(self, value: Value, src: ShardSpec, dst: ShardSpec) -> tuple:
         """The collectives of resharding `value` from src to dst (through whole_first's
         layout where there is one)."""
-        mid = self.whole_first(value, src, dst)
+        mid = self.whole_first(value, src, dst) or self.all_reduced_first(value, src, dst)
         if mid is not None:
             return self.cost.reshard_comms(value, src, mid) + self.cost.reshard_comms(
                 value, mid, dst)
@@ -178,7 +198,7 @@ class ReshardPrices:
         layers resharded one by one, as the unrolled model's are: the same bytes, a latency per
         layer (XLA may send them in one collective outside the loop; priced so, a scanned
         model would win plans on latency that the same model unrolled cannot have)."""
-        mid = self.whole_first(value, src, dst)
+        mid = self.whole_first(value, src, dst) or self.all_reduced_first(value, src, dst)
         if mid is not None:
             return self.reshard_time(value, src, mid) + self.reshard_time(value, mid, dst)
         time = self.cost.reshard_time(value, src, dst)
