@@ -557,28 +557,35 @@ def test_a_stacked_weight_cast_in_its_scan_is_cast_whole_before_it_on_tpu():
     assert min(cast.nbytes) == pytest.approx(tpu.scale * 4 * 16 * 16 * 2 / 8)
 
 
-def _sgd_mlp_problem(compiler):
-    """Two bf16 dense layers with a relu between, one SGD step, on 2x4 for tpu-v5e (the
-    weight gradients' dots contract 1024 rows a device: reshard_prices.WINDOW_CONTRACTING)."""
-    import jax.numpy as jnp
-
+def _sgd_problem(loss, args, compiler):
+    """(graph, Problem) of one SGD step on loss(w1, w2, x), args its ShapeDtypeStructs, on
+    2x4 for tpu-v5e, its memory rules the `compiler`'s."""
     from shardplan.cost.model import AlphaBetaCost
     from shardplan.intra.problem import Problem
     from shardplan.intra.settings import IntraOptions
-
-    def loss(w1, w2, x):
-        return jnp.sum((jax.nn.relu(x @ w1 + 1.0) @ w2).astype(jnp.float32))
 
     def step(w1, w2, x):
         g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2, x)
         return w1 - 0.1 * g1, w2 - 0.1 * g2
 
-    w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
-    traced = trace(step, (w, w, jax.ShapeDtypeStruct((8192, 1024), jnp.bfloat16)), (0, 1), (2,))
+    traced = trace(step, args, (0, 1), (2,))
     graph = lift(traced.closed_jaxpr, traced.arg_info)
     mesh = MeshShape(("data", "model"), (2, 4))
     cost = AlphaBetaCost(mesh, get_profile("tpu-v5e"))
     return graph, Problem(graph, mesh, cost, IntraOptions(compiler=compiler))
+
+
+def _sgd_mlp_problem(compiler):
+    """Two bf16 dense layers with a relu between, one SGD step, on 2x4 for tpu-v5e (the
+    weight gradients' dots contract 1024 rows a device: reshard_prices.WINDOW_CONTRACTING)."""
+    import jax.numpy as jnp
+
+    def loss(w1, w2, x):
+        return jnp.sum((jax.nn.relu(x @ w1 + 1.0) @ w2).astype(jnp.float32))
+
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+    return _sgd_problem(loss, (w, w, jax.ShapeDtypeStruct((8192, 1024), jnp.bfloat16)),
+                        compiler)
 
 
 def test_a_copy_read_by_a_recomputed_value_is_held_to_that_values_last_read():
@@ -590,24 +597,13 @@ def test_a_copy_read_by_a_recomputed_value_is_held_to_that_values_last_read():
     searched plans 1.03 and 0.996)."""
     import jax.numpy as jnp
 
-    from shardplan.cost.model import AlphaBetaCost
-    from shardplan.intra.problem import Problem
-    from shardplan.intra.settings import IntraOptions
-
     def loss(w1, w2, x):
         residual = x + 2.0 * (x @ w1)
         return jnp.sum(jnp.tanh(residual) @ w2)
 
-    def step(w1, w2, x):
-        g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2, x)
-        return w1 - 0.1 * g1, w2 - 0.1 * g2
-
     w = jax.ShapeDtypeStruct((512, 512), jnp.float32)
-    traced = trace(step, (w, w, jax.ShapeDtypeStruct((256, 512), jnp.float32)), (0, 1), (2,))
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    mesh = MeshShape(("data", "model"), (2, 4))
-    problem = Problem(graph, mesh, AlphaBetaCost(mesh, get_profile("tpu-v5e")),
-                      IntraOptions(compiler="tpu"))
+    graph, problem = _sgd_problem(loss, (w, w, jax.ShapeDtypeStruct((256, 512), jnp.float32)),
+                                  "tpu")
     model = problem.memory()
     dot = next(n for n in graph.nodes if n.primitive == "dot_general")
     (scaled,) = [n.outputs[0] for n in graph.nodes if dot.outputs[0] in n.inputs]
@@ -626,28 +622,19 @@ def test_a_rotary_split_is_recomputed_in_its_readers_on_tpu():
     counted: 1.31 of the compiled peak, 1.22 without them). XLA:CPU writes them."""
     import jax.numpy as jnp
 
-    from shardplan.cost.model import AlphaBetaCost
-    from shardplan.intra.problem import Problem
-    from shardplan.intra.settings import IntraOptions
-
-    def loss(w, x, cos, sin):
-        q1, q2 = jnp.split(x @ w, 2, axis=-1)
+    def loss(w1, w2, x):
+        q1, q2 = jnp.split(x @ w1, 2, axis=-1)
+        cos, sin = jnp.cos(x[:, :128]), jnp.sin(x[:, :128])
         rotated = jnp.concatenate([q1 * cos - q2 * sin, q2 * cos + q1 * sin], axis=-1)
-        return jnp.sum(jnp.tanh(rotated))
+        return jnp.sum(jnp.tanh(rotated) @ w2)
 
-    def step(w, x, cos, sin):
-        return w - 0.1 * jax.grad(loss)(w, x, cos, sin)
-
-    f32 = jnp.float32
-    args = (jax.ShapeDtypeStruct((256, 256), f32), jax.ShapeDtypeStruct((512, 256), f32),
-            jax.ShapeDtypeStruct((512, 128), f32), jax.ShapeDtypeStruct((512, 128), f32))
-    traced = trace(step, args, (0,), (1, 2, 3))
-    graph = lift(traced.closed_jaxpr, traced.arg_info)
-    (split,) = [n for n in graph.nodes if n.primitive == "split" and "transpose" not in n.name]
-    mesh = MeshShape(("data", "model"), (2, 4))
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    args = (w, w, jax.ShapeDtypeStruct((512, 256), jnp.float32))
     for compiler, written in (("tpu", False), ("cpu", True)):
-        model = Problem(graph, mesh, AlphaBetaCost(mesh, get_profile("tpu-v5e")),
-                        IntraOptions(compiler=compiler)).memory()
+        graph, problem = _sgd_problem(loss, args, compiler)
+        (split,) = [n for n in graph.nodes
+                    if n.primitive == "split" and "transpose" not in n.name]
+        model = problem.memory()
         assert all((v not in model.virtual) == written for v in split.outputs)
 
 
