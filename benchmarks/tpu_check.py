@@ -106,6 +106,27 @@ compiler holds them at its peak, but for the 10% margin and 3 MiB residual copie
 1.25. The experts' completions by the ILP (their inputs fixed, no budget) moved again and are
 poor on the Llama (FSDP 463.78 ms priced, its estimate 0.63 of that): not yet read.
 
+The same commit on v5e 2x4 (`--meshes 2x4`, one run, the machine otherwise idle): all checks
+hold.
+
+    case          plan           fits  est/TPU  est/priced  priced ms  opt_s ms
+    gpt2-124m     searched       yes   1.03     0.92        15.93      24.48
+                  data_parallel  yes   -        -           18.15      20.22
+                  fsdp           yes   0.82     0.93        16.09      28.24
+                  two_d          yes   1.29     0.96        16.43      20.45
+    llama-7b-4l   searched       yes   0.92     0.96        203.23     245.73
+                  data_parallel  yes   -        -           220.43     228.28
+                  fsdp           yes   0.95     0.95        209.02     235.67
+                  two_d          yes   1.06     0.97        203.88     232.31
+    moe-380m      searched       yes   1.09     0.94        16.00      28.96
+                  data_parallel  yes   -        -           36.39      38.88
+                  fsdp           yes   1.07     0.96        17.60      30.18
+                  two_d          yes   1.18     0.98        17.82      29.66
+
+    searched / best expert that fits, priced: gpt2-124m 0.990 (fsdp), llama-7b-4l 0.997
+    (two_d), moe 0.909 (fsdp); by optimal_seconds 0.867, 1.058, 0.960 (it counts no ICI time
+    and ranks data parallel first on GPT-2 and the Llama, as above)
+
 GPT-2 124M's FSDP completion, read on its dumps (benchmarks/xla_live.py): the TPU compiler
 writes each layer norm's centred input and 1/std times its scale, f32, for the backward
 (0.72 of the heap on 4x4, 0.82 on 2x4, after the fix above) only with GPT-2's vocabulary of
