@@ -127,6 +127,12 @@ hold.
     (two_d), moe 0.909 (fsdp); by optimal_seconds 0.867, 1.058, 0.960 (it counts no ICI time
     and ranks data parallel first on GPT-2 and the Llama, as above)
 
+And GPT-2 124M on v5e 16x16 (`--cases gpt2-124m --meshes 16x16`, one run, 274 s to plan with
+every candidate compiled): the searched plan's step estimate 1.00 of its program priced (7.73
+and 7.71 ms), 0.903 of the best expert (two_d, 8.54 ms; FSDP 10.95, data parallel 79.24),
+first by price and by optimal_seconds; its memory estimate 1.23 of the heap (0.38 and 0.31
+GiB: at 256 chips the margin and the small buffers weigh), FSDP's 1.19, two_d's 1.18.
+
 GPT-2 124M's FSDP completion, read on its dumps (benchmarks/xla_live.py): the TPU compiler
 writes each layer norm's centred input and 1/std times its scale, f32, for the backward
 (0.72 of the heap on 4x4, 0.82 on 2x4, after the fix above) only with GPT-2's vocabulary of
