@@ -612,7 +612,9 @@ def test_a_copy_read_by_a_recomputed_value_is_held_to_that_values_last_read():
     last = model.last[add.outputs[0]]
     assert last > model.pos[add.id]  # where the backward pass reads the residual
     (copy,) = [c for c in model.copies if c.what == f"reshard of v{scaled} for add {add.name}"]
-    assert copy.start == model.pos[add.id] and copy.end == last
+    # made where the add runs, in the first reader it is fused into
+    assert copy.start == model.first_reads[add.outputs[0]] >= model.pos[add.id]
+    assert copy.end == last
 
 
 def test_a_rotary_split_is_recomputed_in_its_readers_on_tpu():
@@ -701,3 +703,57 @@ def test_a_slice_is_taken_into_its_readers_fusion_on_tpu():
         # what no windowed dot reads (the choice of every other member is its first)
         assert not windows.windowed(model, choice) & (copy.sliced or (None, None, set()))[2]
         assert any(w == copy.what for *_, w in model.live(choice)) == counted
+
+
+def test_a_weight_transposed_for_its_dot_is_resharded_where_the_dot_runs_on_tpu():
+    """The transpose of a weight that only the inputs feed runs first in the list schedule,
+    but the TPU compiler fuses it into its dot and gathers the weight a few ops before it
+    (compilers.TPU.hoisted_gathers: GPT-2 124M's embedding, 74 MiB a chip on v5e 4x4, read
+    as the logits' kernel): the copy for the transpose starts at the dot."""
+    import jax.numpy as jnp
+
+    def loss(w1, w2, x):
+        return jnp.sum(jnp.tanh(x @ w1) @ jax.lax.transpose(w2, (1, 0)))
+
+    w = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    graph, problem = _sgd_problem(loss, (w, w, jax.ShapeDtypeStruct((256, 512), jnp.float32)),
+                                  "tpu")
+    model = problem.memory()
+    w2 = graph.inputs[1]
+    (transpose,) = [n for n in graph.nodes if n.primitive == "transpose"
+                    and w2 in n.inputs and "transpose(" not in n.name]
+    dot = min((n for n in graph.nodes if transpose.outputs[0] in n.inputs),
+              key=lambda n: model.pos[n.id])
+    (copy,) = [c for c in model.copies
+               if c.what == f"reshard of v{w2} for transpose {transpose.name}"]
+    assert model.pos[transpose.id] < copy.start == model.pos[dot.id]
+
+
+def test_logits_cast_to_f32_for_the_loss_are_recast_in_the_backward_on_tpu():
+    """The loss casts the bf16 logits to f32 for its reductions: the TPU compiler writes the
+    cast for the forward pass and recasts the bf16 logits in the backward (GPT-2 124M and the
+    zoo's MoE on v5e 4x4: the f32 logits dead 2-4 steps after they are made, the bf16 held),
+    so the f32 buffer ends at its last forward read and the bf16 one is held to the backward
+    pass's (liveness.recast)."""
+    import jax.numpy as jnp
+
+    def loss(w1, w2, x):
+        logits = (jnp.tanh(x @ w1) @ w2).astype(jnp.float32)
+        labels = (jnp.arange(256) * 7 % 512)[:, None]  # the loss's gather: the cast written
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1)
+                        - jnp.take_along_axis(logits, labels, axis=-1)[:, 0])
+
+    w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
+    args = (w, w, jax.ShapeDtypeStruct((256, 512), jnp.bfloat16))
+    graph, problem = _sgd_problem(loss, args, "tpu")
+    model = problem.memory()
+    made = {v: n for n in graph.nodes for v in n.outputs}
+    (cast,) = [n for n in graph.nodes if n.primitive == "convert_element_type"
+               and n.inputs[0] in made and graph.inputs[1] in made[n.inputs[0]].inputs]
+    readers = {}
+    for n in graph.nodes:
+        for v in n.inputs:
+            readers.setdefault(v, []).append(n.id)
+    # the last reads of the f32 logits in the forward pass and in the backward one
+    fwd, bwd = liveness._reads(graph, cast.outputs[0], model.pos, readers, model.virtual)
+    assert model.last[cast.outputs[0]] == fwd < bwd <= model.last[cast.inputs[0]]

@@ -21,6 +21,7 @@ from shardplan import files
 from shardplan.strategies.spec import MeshShape
 
 GiB = 2**30
+MiB = 2**20
 BACKENDS = ("tpu", "gpu", "cpu")
 
 
@@ -62,6 +63,10 @@ class HardwareProfile:
     """"tpu", "gpu" or "cpu": which XLA backend compiles for it."""
     forms_reduce_scatter: bool
     """Whether XLA fuses all-reduce + slice into a reduce-scatter (GPU/TPU yes, CPU no)."""
+    fast_memory_bytes: int = 0
+    """On-chip memory per device the compiler holds a step's short-lived buffers in instead of
+    HBM (a TPU core's VMEM; v4: CMEM), as much as its buffer assignment was seen to fill
+    (intra/memory/fast_memory.py); 0: none."""
     source: str = ""
     """Where the figures come from (datasheets, papers)."""
 
@@ -79,6 +84,10 @@ class HardwareProfile:
                     f"profile {self.name!r}: {field} must be a positive number, not infinite "
                     f"or NaN, got {value!r}"
                 )
+        if (isinstance(self.fast_memory_bytes, bool) or not isinstance(self.fast_memory_bytes, int)
+                or self.fast_memory_bytes < 0):
+            raise ValueError(f"profile {self.name!r}: fast_memory_bytes must be an int >= 0, "
+                             f"got {self.fast_memory_bytes!r}")
         if not isinstance(self.devices_per_host, int) or self.devices_per_host < 1:
             raise ValueError(
                 f"profile {self.name!r}: devices_per_host must be an int >= 1, "
@@ -238,7 +247,7 @@ class HardwareProfile:
             start["source"] = ""
             start.update(data)
             data = start
-        missing = sorted(fields - set(data) - {"source"})
+        missing = sorted(fields - set(data) - {"source", "fast_memory_bytes"})
         if missing:
             raise ValueError(
                 f"{where}: missing field(s) {missing} (or give `base: <profile name>`)"
@@ -262,6 +271,9 @@ class HardwareProfile:
             data["memory_bytes"] = int(_number(data["memory_bytes"], "memory_bytes"))
             data["devices_per_host"] = int(_number(data["devices_per_host"], "devices_per_host"))
             data["forms_reduce_scatter"] = _boolean(data["forms_reduce_scatter"])
+            if "fast_memory_bytes" in data:
+                data["fast_memory_bytes"] = int(_number(data["fast_memory_bytes"],
+                                                        "fast_memory_bytes"))
             data["name"] = str(data["name"])
             data["backend"] = str(data["backend"])
             data["source"] = str(data.get("source", ""))
@@ -375,16 +387,27 @@ _SOURCES = {
 
 # One row per profile, in HardwareProfile's field order: name, peak_flops (bf16),
 # peak_flops_f32, memory_bytes, devices_per_host, intra_host, inter_host, mem_bandwidth,
-# backend, forms_reduce_scatter (XLA:CPU keeps all-reduce + slice: JAX-NOTES). On TPU v4 one
-# slice's torus spans hosts (DCN only between slices), so both links are ICI.
+# backend, forms_reduce_scatter (XLA:CPU keeps all-reduce + slice: JAX-NOTES),
+# fast_memory_bytes. On TPU v4 one slice's torus spans hosts (DCN only between slices), so both
+# links are ICI. fast_memory_bytes: the most the TPU compiler (libtpu 0.0.42.1) placed in a
+# core's on-chip memory space, read off its buffer assignment (--xla_dump_to) for the
+# gradient of 96 chained 4 MiB f32 layers on one chip of each generation (the same with 16 MiB
+# layers gave v5e and v4 the same, v5p 32 MiB and v6e 88): v5e 112 MiB and v6e 92 of their
+# 128 MiB of VMEM, v5p 44, v4 64 (color 3: its CMEM).
 _ROWS = (
-    ("tpu-v4", 275e12, 275e12, 32 * GiB, 4, _TPU_V4_ICI, _TPU_V4_ICI, 1200e9, "tpu", True),
-    ("tpu-v5e", 197e12, 197e12, 16 * GiB, 8, _TPU_V5E_ICI, _TPU_V5E_ICI, 819e9, "tpu", True),
-    ("tpu-v5p", 459e12, 459e12, 95 * GiB, 4, _TPU_V5P_ICI, _TPU_V5P_ICI, 2765e9, "tpu", True),
-    ("tpu-v6e", 918e12, 918e12, 32 * GiB, 8, _TPU_V6E_ICI, _TPU_V6E_ICI, 1640e9, "tpu", True),
-    ("a100-80gb", 312e12, 156e12, 80 * GiB, 8, _A100_NVLINK, _A100_IB, 2039e9, "gpu", True),
-    ("h100-80gb", 989.4e12, 494.7e12, 80 * GiB, 8, _H100_NVLINK, _H100_IB, 3.35e12, "gpu", True),
-    ("cpu", 333e9 / 8, 333e9 / 8, 2 * GiB, 8, _CPU_MEMCPY, _CPU_MEMCPY, 20e9 / 8, "cpu", False),
+    ("tpu-v4", 275e12, 275e12, 32 * GiB, 4, _TPU_V4_ICI, _TPU_V4_ICI, 1200e9, "tpu", True,
+     64 * MiB),
+    ("tpu-v5e", 197e12, 197e12, 16 * GiB, 8, _TPU_V5E_ICI, _TPU_V5E_ICI, 819e9, "tpu", True,
+     112 * MiB),
+    ("tpu-v5p", 459e12, 459e12, 95 * GiB, 4, _TPU_V5P_ICI, _TPU_V5P_ICI, 2765e9, "tpu", True,
+     44 * MiB),
+    ("tpu-v6e", 918e12, 918e12, 32 * GiB, 8, _TPU_V6E_ICI, _TPU_V6E_ICI, 1640e9, "tpu", True,
+     92 * MiB),
+    ("a100-80gb", 312e12, 156e12, 80 * GiB, 8, _A100_NVLINK, _A100_IB, 2039e9, "gpu", True, 0),
+    ("h100-80gb", 989.4e12, 494.7e12, 80 * GiB, 8, _H100_NVLINK, _H100_IB, 3.35e12, "gpu", True,
+     0),
+    ("cpu", 333e9 / 8, 333e9 / 8, 2 * GiB, 8, _CPU_MEMCPY, _CPU_MEMCPY, 20e9 / 8, "cpu", False,
+     0),
 )
 
 PROFILES: dict[str, HardwareProfile] = {

@@ -52,6 +52,9 @@ class Rules:
     last (else it is fused into each reader, never written)."""
     hoisted_broadcasts: bool
     """A broadcast of what only the step's inputs feed is made before the first layer."""
+    hoisted_gathers: bool
+    """A step's input resharded for a dot or a gather (a weight all-gathered) is resharded
+    before the first layer, else at its reader."""
     reduction_broadcasts: bool
     """A large reduction reads its operands' broadcasts written whole (YNNPACK's)."""
     conv_layout_copies: bool
@@ -126,6 +129,7 @@ CPU = Rules(
     recomputes=False,
     shared_broadcasts=True,
     hoisted_broadcasts=True,
+    hoisted_gathers=True,
     reduction_broadcasts=True,
     conv_layout_copies=True,
     layout_copies=True,
@@ -164,6 +168,10 @@ TPU = Rules(
     recomputes=True,
     shared_broadcasts=False,
     hoisted_broadcasts=False,
+    # its latency-hiding scheduler starts each all-gather of a weight a few ops before its
+    # reader (GPT-2 124M's searched plan on v5e 4x4: the embedding gathered for the logits,
+    # 74 MiB a chip, and each layer's bf16[768, 768] kernel; benchmarks/xla_live.py)
+    hoisted_gathers=False,
     reduction_broadcasts=False,
     conv_layout_copies=False,
     layout_copies=False,
@@ -174,10 +182,9 @@ TPU = Rules(
     # cast to bf16 whole before the forward scan, held through the backward one
     hoisted_stack_converts=True,
     holds_gradients=False,
-    # the TPU compiler's heap peak (analysis/hlo.py ProgramStats.peak_bytes, what it refuses
-    # programs by) counts the buffers its memory space assignment places in a core's VMEM
-    # too (color 1 in its buffer assignment: x @ x of a 2048 x 2048 f32 holds 16 MiB there):
-    # nothing is left out (tests/test_memory_tpu.py)
+    # no scalars past what the model counts (tests/test_memory_tpu.py); the buffers its
+    # memory space assignment holds in a core's VMEM, which its heap peak (analysis/hlo.py
+    # ProgramStats.peak_bytes, what it refuses programs by) leaves out: fast_memory.py
     small_temps=0.0,
     tiled=True,
 )

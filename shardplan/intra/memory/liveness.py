@@ -238,6 +238,21 @@ def unwritten(graph, readers, outputs, rules: compilers.Rules = compilers.CPU) -
     return virtual
 
 
+def recast(graph, readers, virtual, rules: compilers.Rules = compilers.CPU) -> set[int]:
+    """Casts to a wider float written for the forward pass, which the backward pass recasts
+    where it reads them, on a compiler that recomputes (Rules.recomputes): the logits of
+    GPT-2 124M and of the zoo's MoE on v5e 4x4 (benchmarks/xla_live.py on their dumps), cast
+    to f32 and read by the loss's reductions beside its other forward ops (so written:
+    _recomputable), dead 2 to 4 steps later; the bf16 logits are held to the backward pass.
+    lifetimes moves the backward pass's reads of them to what they cast."""
+    if not rules.recomputes:
+        return set()
+    return {v for node in graph.nodes if node.primitive == "convert_element_type"
+            and not backward(node) for v in node.outputs
+            if v not in virtual and readers.get(v)
+            and graph.values[v].itemsize > graph.values[node.inputs[0]].itemsize}
+
+
 def loop_ends(graph, pos) -> dict[int, int]:
     """The position of each loop's last node. A scan's stacked input read in another layout
     than it is made in is resharded whole before the loop and passed into it: the copy is held
@@ -249,11 +264,32 @@ def loop_ends(graph, pos) -> dict[int, int]:
                          default=0) for loop in graph.loops}
 
 
-def lifetimes(graph, pos, readers, outputs, virtual=None
+def _reads(graph, v, pos, readers, virtual, seen=None) -> tuple[int, int]:
+    """The last read of `v` in the forward pass and in the backward one (0: none), through
+    its readers that are never written (a value recomputed in its readers is read where they
+    run)."""
+    seen = {} if seen is None else seen
+    if v not in seen:
+        fwd = bwd = 0
+        for r in readers.get(v, ()):
+            node = graph.nodes[r]
+            if backward(node):
+                bwd = max(bwd, pos[r])
+            else:
+                fwd = max(fwd, pos[r])
+            for o in node.outputs:
+                if o in virtual:
+                    f, b = _reads(graph, o, pos, readers, virtual, seen)
+                    fwd, bwd = max(fwd, f), max(bwd, b)
+        seen[v] = (fwd, bwd)
+    return seen[v]
+
+
+def lifetimes(graph, pos, readers, outputs, virtual=None, recasts=frozenset()
               ) -> tuple[set[int], dict[int, int]]:
     """(values XLA never writes (unwritten, unless given), the position of each value's last
     read). The reads of a value never written read its producer's operands, so their last
-    read moves to the value's."""
+    read moves to the value's; so do the backward pass's reads of the `recasts` (recast)."""
     if virtual is None:
         virtual = unwritten(graph, readers, outputs)
     ends = loop_ends(graph, pos)
@@ -267,6 +303,7 @@ def lifetimes(graph, pos, readers, outputs, virtual=None
         return out
 
     last: dict[int, int] = {}
+    recast_to: dict[int, int] = {}
     for node in reversed(graph.nodes):
         around = set(chain(node.loop))
         for v in node.outputs:
@@ -277,6 +314,10 @@ def lifetimes(graph, pos, readers, outputs, virtual=None
             if not readers.get(v):
                 continue
             at = [pos[node.id]]
+            fwd, bwd = _reads(graph, v, pos, readers, virtual) if v in recasts else (0, 0)
+            if bwd:  # its forward reads; the backward's are its operand's
+                at.append(fwd)
+                recast_to[v], rs = bwd, []
             for r in rs:
                 at.append(pos[r])
                 # read in a loop it is made outside of (a loop's constant, a scan's stacked
@@ -287,6 +328,7 @@ def lifetimes(graph, pos, readers, outputs, virtual=None
                     if outer:
                         at.append(ends[outer[-1]])
                 at.extend(last[o] for o in graph.nodes[r].outputs if o in virtual and o in last)
+                at.extend(recast_to[o] for o in graph.nodes[r].outputs if o in recast_to)
             last[v] = max(at)
     return virtual, last
 
@@ -297,6 +339,20 @@ def lifetimes(graph, pos, readers, outputs, virtual=None
 YNN_MIN_ELEMENTS = 4096
 YNN_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 YNN_BINARY = frozenset({"add", "add_any", "sub", "mul", "div", "max", "min", "pow"})
+
+
+def first_reads(graph, pos, readers, virtual) -> dict[int, int]:
+    """The position of the first read of each value never written (`virtual`): its readers
+    run where the first of theirs that is written does, since they are fused into it (a
+    weight's transpose, which only the inputs feed and the list scheduler runs first, is read
+    where its dot runs)."""
+    first: dict[int, int] = {}
+    for node in reversed(graph.nodes):
+        for v in node.outputs:
+            if v in virtual and readers.get(v):
+                first[v] = min(min((first[o] for o in graph.nodes[r].outputs if o in first),
+                                   default=pos[r]) for r in readers[v])
+    return first
 
 
 def ynn_broadcasts(graph, readers, virtual) -> list[tuple[int, int, int]]:

@@ -29,8 +29,9 @@ It follows what `compiled.memory_analysis()` counts (argument + output + temp - 
   The TPU compiler (its heap peak: tests/test_memory_tpu.py, benchmarks/tpu_check.py) keeps
   bf16 narrow, fuses the generator and each elementwise value into its readers (dots and
   reductions too), recomputed there but where liveness.unwritten says, reduces each gradient
-  where it is made and casts a scan's stacked weights before it (stack_casts.py): none of
-  XLA:CPU's rules above but the hoisted gathers, the stacked ys and the fan-out copies.
+  where it is made, casts a scan's stacked weights before it (stack_casts.py), gathers a
+  weight at its reader and holds short-lived buffers on chip (fast_memory.py): none of
+  XLA:CPU's rules above but the stacked ys and the fan-out copies.
 What remains (XLA's heap gaps, the rest of its schedule) is the margin (MARGIN).
 """
 
@@ -43,6 +44,7 @@ import numpy as np
 from shardplan.cost.model import FUSED
 from shardplan.intra.memory import (
     compilers,
+    fast_memory,
     gradient_holds,
     ilp_rows,
     layouts,
@@ -124,7 +126,9 @@ class MemoryModel:
             self.buffers.append(Buffer(root[0], np.full(len(p.strategies[root[0]]),
                                                         rules.small_temps),
                                        0, end, "small temporaries"))
-        self.virtual, self.last = virtual, last = lifetimes(g, pos, readers, outputs, unwritten)
+        self.virtual, self.last = virtual, last = lifetimes(
+            g, pos, readers, outputs, unwritten, liveness.recast(g, readers, unwritten, rules))
+        self.first_reads = liveness.first_reads(g, pos, readers, virtual)
         # XLA's scheduler runs what only the step's inputs feed (a weight gathered for a dot,
         # a layer norm's scale broadcast) as soon as it can: the live ranges it dumps start
         # every gathered kernel and broadcast scale of a 2-layer GPT or ViT before the first
@@ -273,7 +277,8 @@ class MemoryModel:
             self.copies.append(LiveCopy(rs, ka, np.zeros(len(ka)), rf, kb,
                                     lay.nbytes(g.values[v], dsts), min(at), max(at),
                                     f"fan-out of v{v}"))
-        first = self.first  # gathered inputs start there (see __init__)
+        # gathered inputs start there (see __init__), where the compiler hoists them
+        first = self.first if self.rules.hoisted_gathers else len(self.pos)
         # A later gathering reader of a weight (the backward pass) that wants another layout
         # than the first one's: XLA's scheduler hoists its gather too, before the first layer.
         # Only on a mesh with one useful axis: on 2x4 the later layout is mostly a slice of the
@@ -335,7 +340,9 @@ class MemoryModel:
                 # to the last read of what is fused into the reader (test_memory_fit.py)
                 last = max([held_to(m), through(m), *(end for t, end in heavy_to if t > at)])
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
-                start = at
+                # a reader fused into its own (a weight's transpose) reads it where they run
+                outs = g.nodes[m - p.num_inputs].outputs
+                start = min(self.first_reads.get(o, at) for o in outs) if outs else at
                 if src < p.num_inputs and heavy and at == min(heavy):
                     # the first gathering reader's copy, which the later ones share if they
                     # read the same layout (theirs start at their reader: never hoisted twice)
@@ -436,14 +443,8 @@ class MemoryModel:
 
     def peak(self, root_choice: Mapping[int, int]) -> float:
         """The peak bytes per device when each root r takes choice root_choice[r]: the most
-        bytes live at one moment, swept over the intervals of live(). Never above the rows
-        at the points() (masks.py: the rows count a mask's bits to its last read)."""
-        items = self.live(root_choice)
-        if not items:
-            return 0.0
-        starts, ends, sizes, _ = zip(*items)
-        starts, ends, sizes = np.array(starts), np.array(ends), np.array(sizes)
-        change = np.zeros(int(ends.max()) + 2)
-        np.add.at(change, starts.astype(int), sizes)
-        np.add.at(change, ends.astype(int) + 1, -sizes)
-        return max(0.0, float(np.cumsum(change).max()))
+        bytes live at one moment, swept over the intervals of live(), less what the compiler
+        holds on chip (fast_memory.py). Never above the rows at the points() (masks.py: the
+        rows count a mask's bits to its last read)."""
+        return fast_memory.hbm_peak(self.live(root_choice), len(self.pos),
+                                    self.problem.cost.hardware.fast_memory_bytes, self.scale)
