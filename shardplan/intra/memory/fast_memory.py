@@ -12,7 +12,7 @@ scores for at most 355), while what the forward pass holds for the backward stay
 
 So the model holds in HBM, at each moment, what is live less the short-lived buffers it places
 on chip (made and last read within SHORT of the step's schedule, whose positions are about half
-the compiler's steps), each whole, smallest first, as they fit in the on-chip capacity
+the compiler's steps), each whole, largest first, as they fit in the on-chip capacity
 (HardwareProfile.fast_memory_bytes) for the whole of their lives. Measured
 (benchmarks/tpu_check.py, the searched plans on v5e 4x4): the MoE's estimate over the heap went
 from 1.25 to 1.09, GPT-2's from 1.17 to 1.08. The ILP's rows leave this out: they hold a plan
@@ -48,14 +48,17 @@ def hbm_peak(items, horizon: int, capacity: float, scale: float = 1.0) -> float:
 
 def on_chip(starts, ends, sizes, horizon: int, capacity: float, scale: float = 1.0
             ) -> np.ndarray:
-    """The bytes (as counted) held on chip at each moment: the short-lived buffers, smallest
-    first, each whole where its size (counted / `scale`) fits beside those already placed for
-    the whole of its life (GPT-2 124M on v5e 16x16: its logits, 98 MiB a chip for 1% of the
-    schedule, stay in HBM beside the 63 MiB of smaller buffers on chip then)."""
+    """The bytes (as counted) held on chip at each moment: the short-lived buffers, largest
+    first (the order of XLA's heap simulator, GlobalDecreasingSizeBestFitHeap, which memory
+    space assignment builds on), each whole where its size (counted / `scale`) fits beside
+    those already placed for the whole of its life. The MoE's f32 logits on v5e 4x4, 62.5 MiB
+    a chip, were placed on chip beside smaller buffers; GPT-2 124M's on 16x16, 98 MiB, stayed
+    in HBM while its two bf16 copies of 49 MiB were on chip (the compiler orders by what a
+    buffer's uses gain, which the model does not know: the same bytes here either way)."""
     used = np.zeros(int(ends.max()) + 2)
     moved = np.zeros_like(used)
     short = np.flatnonzero((ends - starts + 1 <= SHORT * horizon) & (sizes > 0))
-    for j in short[np.argsort(sizes[short], kind="stable")]:
+    for j in short[np.argsort(-sizes[short], kind="stable")]:
         lo, hi = starts[j], ends[j] + 1
         if used[lo:hi].max() + sizes[j] / scale <= capacity:
             used[lo:hi] += sizes[j] / scale
