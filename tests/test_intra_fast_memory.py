@@ -51,3 +51,10 @@ def test_a_buffer_fits_on_chip_by_its_size_not_by_the_margin_it_is_counted_with(
     assert fast_memory.hbm_peak(items, 100, 112 * MiB, 1.1) == 100 * MiB
     # counted as they are, the 68.75 fit and the 48.4 beside them do not
     assert fast_memory.hbm_peak(items, 100, 112 * MiB) == pytest.approx((100 + 44 * 1.1) * MiB)
+
+
+def test_a_buffer_never_live_is_never_placed():
+    # an interval that ends before it starts holds nothing (a copy no reader reads after it
+    # is made): Llama2-7B's plan reached one
+    items = [STATE, (60, 59, 8 * MiB, "never live"), (50, 51, 30 * MiB, "logits")]
+    assert fast_memory.hbm_peak(items, 100, 112 * MiB) == 100 * MiB

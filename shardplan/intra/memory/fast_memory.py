@@ -57,7 +57,8 @@ def on_chip(starts, ends, sizes, horizon: int, capacity: float, scale: float = 1
     buffer's uses gain, which the model does not know: the same bytes here either way)."""
     used = np.zeros(int(ends.max()) + 2)
     moved = np.zeros_like(used)
-    short = np.flatnonzero((ends - starts + 1 <= SHORT * horizon) & (sizes > 0))
+    short = np.flatnonzero((ends - starts + 1 <= SHORT * horizon) & (ends >= starts)
+                           & (sizes > 0))
     for j in short[np.argsort(-sizes[short], kind="stable")]:
         lo, hi = starts[j], ends[j] + 1
         if used[lo:hi].max() + sizes[j] / scale <= capacity:

@@ -342,7 +342,7 @@ class MemoryModel:
                 what = f"{g.nodes[m - p.num_inputs].primitive} {g.nodes[m - p.num_inputs].name}"
                 # a reader fused into its own (a weight's transpose) reads it where they run
                 outs = g.nodes[m - p.num_inputs].outputs
-                start = min(self.first_reads.get(o, at) for o in outs) if outs else at
+                start = min([self.first_reads.get(o, at) for o in outs] + [last]) if outs else at
                 if src < p.num_inputs and heavy and at == min(heavy):
                     # the first gathering reader's copy, which the later ones share if they
                     # read the same layout (theirs start at their reader: never hoisted twice)
