@@ -5,7 +5,7 @@ v4's CMEM: its buffer assignment's "color 1" or "color 3" allocation), and its h
 (memory_analysis' peak_memory_in_bytes, what it refuses programs by) counts HBM alone: the
 dumps of GPT-2 124M and the zoo's MoE planned for v5e 4x4 hold, at their heap peaks, what
 their HBM buffers alone hold (benchmarks/xla_live.py --hbm: 1271.80 MB against a heap peak of
-1271.84 MB, 745.82 against 745.86). Which buffers it moves: of the MoE's temporaries of 1 MiB
+1271.84 MB, 745.82 against 745.85). Which buffers it moves: of the MoE's temporaries of 1 MiB
 or more, 902 were placed on chip and 94 in HBM; the large ones on chip are the short-lived
 ones (the logits, f32 62.5 MiB a chip, for 2 of the schedule's 9545 steps; attention's 32 MiB
 scores for at most 355), while what the forward pass holds for the backward stays in HBM.
