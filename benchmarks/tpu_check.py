@@ -507,7 +507,30 @@ The model now sees the compiler's on-chip buffers there (its bf16 logits and the
 all-reduce, 49 MiB each, on chip; the f32 logits, 98 MiB, in HBM) but holds each layer's
 saved activations of its attention, split over the sequence, at about 7.5 MiB where the
 compiler holds 12.6 (the q/k/v projection whole in another layout, 4.5 MiB, and the gathered
-keys and values): not yet modelled. Llama2-7B (`--cases llama2-7b`, idle, 812e63f): the
+keys and values): not yet modelled.
+
+The same on v5e 2x4 (`--meshes 2x4`, one run beside make test, ccd0138): every check holds.
+
+    case          plan           fits  est/TPU  est/priced  priced ms  opt_s ms
+    gpt2-124m     searched       yes   0.94     0.92        15.93      24.48
+                  data_parallel  yes   -        -           18.15      20.22
+                  fsdp           yes   0.99     0.91        33.82      38.33
+                  two_d          yes   1.05     0.98        33.63      40.56
+    llama-7b-4l   searched       yes   0.91     0.96        203.23     245.73
+                  data_parallel  yes   -        -           220.43     228.28
+                  fsdp           yes   1.25     1.08        356.83     361.11
+                  two_d          yes   1.27     1.01        288.31     305.88
+    moe-380m      searched       yes   1.00     0.94        16.00      28.96
+                  data_parallel  yes   -        -           36.39      38.88
+                  fsdp           yes   0.99     0.96        17.60      30.18
+                  two_d          yes   1.10     0.98        17.82      29.66
+
+    searched / best expert that fits, priced: gpt2-124m 0.878 (data parallel), llama-7b-4l
+    0.922 (data parallel), moe 0.909 (fsdp); by optimal_seconds 1.211, 1.076, 0.960
+    (data parallel first on GPT-2 and the Llama: no ICI time, as above)
+
+The experts' completions on GPT-2 and the Llama priced about twice what they were (FSDP on
+the Llama 356.83 ms, 209.02 at 2c193b5): not yet read. Llama2-7B (`--cases llama2-7b`, idle, 812e63f): the
 searched plan's estimate 15.17 GiB, heap 14.74 (1.03), priced 1.000 of MaxText's
 configuration, as before (at 14 GiB a chip VMEM's 112 MiB is under 1%).
 """
