@@ -552,9 +552,11 @@ def test_a_stacked_weight_cast_in_its_scan_is_cast_whole_before_it_on_tpu():
     assert len(loops) == 2
     body = [tpu.pos[n] for lp in loops for b in lp.bodies for n in b.nodes]
     assert cast.start <= min(body) and cast.end >= max(body)
-    # the whole stack in bf16, split as the cast in the body is: 4 x 16 x 16 x 2 bytes / split
-    assert max(cast.nbytes) == pytest.approx(tpu.scale * 4 * 16 * 16 * 2)
-    assert min(cast.nbytes) == pytest.approx(tpu.scale * 4 * 16 * 16 * 2 / 8)
+    # the whole stack in bf16, split as the cast in the body is, in the TPU's tiles (each
+    # 16-wide row padded to 128): 4 x 16 x 128 x 2 bytes whole, split 8 ways [4, 2, 16] in
+    # tiles of 2 rows: 4 x 2 x 128 x 2
+    assert max(cast.nbytes) == pytest.approx(tpu.scale * 4 * 16 * 128 * 2)
+    assert min(cast.nbytes) == pytest.approx(tpu.scale * 4 * 2 * 128 * 2)
 
 
 def _sgd_problem(loss, args, compiler):

@@ -75,7 +75,14 @@ class Rules:
     """Bytes of scalars the temp allocation holds that the model does not list."""
     tiled: bool
     """Arrays are stored in tiles (tiled_bytes): a shard's minor dimension padded to 128
-    elements, the one before it to its tile's rows, the two laid out where they pad least."""
+    elements, the one before it to its tile's rows, the two laid out where they pad least;
+    the step's inputs and outputs and its temporaries alike. GPT-2 124M on v5e 16x16, its
+    sequence split 16 ways, holds each layer's q/k/v for the backward pass as bf16[8, 64, 12,
+    3, 64] a chip, no dimension of 128, in 4.5 MiB for 2.25 (benchmarks/tpu_check.py; counted
+    dense, the estimate was 0.87 of the heap). Where another layout suits its reader the
+    compiler may pad more than the least: an activation its weight gradient's dot contracts
+    over the sequence, bf16[8, 64, 768], laid out with the 64 positions minor (2x, not
+    modelled)."""
 
     def value_bytes(self, cost, value, spec) -> float:
         """The bytes per device of `value` laid out as `spec` (cost.value_bytes, tiled)."""

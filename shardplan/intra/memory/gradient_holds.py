@@ -77,7 +77,7 @@ def holds(model) -> tuple[list[Buffer], list[LiveCopy]]:
             if not is_tensor(g.values[v]) or v not in model.last:
                 continue
             reduced = _reduced(p, m, k)
-            nbytes = model.scale * np.ceil([p.cost.value_bytes(g.values[v], p.out_spec(m, k, c))
+            nbytes = model.scale * np.ceil([model.nbytes(g.values[v], p.out_spec(m, k, c))
                                             if r else 0.0 for c, r in enumerate(reduced)])
             if not nbytes.any():
                 continue

@@ -18,11 +18,12 @@ def keys(a: Sequence, b: Sequence) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Layouts:
-    """A Problem's layouts as the memory model reads them; `scale` multiplies every size
-    (the activations' margin). A layout is (specs by choice, an interned id)."""
+    """A Problem's layouts as the memory model reads them; `nbytes(value, spec)` sizes a value
+    in a layout (MemoryModel.nbytes), `scale` multiplies every size (the activations' margin).
+    A layout is (specs by choice, an interned id)."""
 
-    def __init__(self, problem, scale: float):
-        self.problem, self.scale = problem, scale
+    def __init__(self, problem, scale: float, nbytes):
+        self.problem, self.scale, self._nbytes = problem, scale, nbytes
         self._bytes: dict = {}  # (shape, dtype, itemsize) -> spec -> bytes
         self._layouts: dict[tuple, tuple] = {}  # (choice key, side, index) -> layout
         self._interned: dict[tuple, int] = {}
@@ -36,7 +37,7 @@ class Layouts:
         for d in specs:  # one lookup per spec (hashing the specs is what this costs)
             b = of.get(d)
             if b is None:
-                b = of[d] = self.problem.cost.value_bytes(value, d)
+                b = of[d] = self._nbytes(value, d)
             out.append(b)
         return self.scale * np.ceil(out)
 

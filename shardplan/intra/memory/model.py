@@ -82,10 +82,11 @@ class MemoryModel:
                  compiler: str = "cpu"):
         self.rules = rules = compilers.rules(compiler)
         self.problem = p = problem
+        self.nbytes = lambda value, spec: rules.value_bytes(p.cost, value, spec)  # as stored
         g = p.graph
         self.n = n = len(g.nodes)
         donated = frozenset(range(p.num_inputs)) if donated is None else donated
-        cost, root = p.cost, p.groups.root
+        root = p.groups.root
         self.buffers: list[Buffer] = []
         self.copies: list[LiveCopy] = []
         end = max(n - 1, 0)
@@ -94,14 +95,13 @@ class MemoryModel:
 
         made: dict[tuple, np.ndarray] = {}  # tied layers write the same: priced once
 
-        def sizes(v, m, out_idx, io=False):
-            # the step's inputs and outputs in the layouts the compiler stores them in
-            # (compilers.Rules.tiled); its temporaries in the layouts it picks to fit them
+        def sizes(v, m, out_idx):
+            # in the layouts the compiler stores them in (compilers.Rules.tiled): the step's
+            # inputs and outputs and its temporaries alike
             value = g.values[v]
-            key = (value.shape, value.dtype, value.itemsize, p.choice_key(m), out_idx, io)
-            nbytes = rules.value_bytes if io else (lambda c, val, s: c.value_bytes(val, s))
+            key = (value.shape, value.dtype, value.itemsize, p.choice_key(m), out_idx)
             if key not in made:
-                made[key] = np.ceil([nbytes(cost, value, p.out_spec(m, out_idx, k))
+                made[key] = np.ceil([self.nbytes(value, p.out_spec(m, out_idx, k))
                                      for k in range(len(p.strategies[root[m]]))])
                 made[key].flags.writeable = False
             return made[key]
@@ -121,7 +121,7 @@ class MemoryModel:
         tied = frozenset(v for j, v in enumerate(g.outputs) if g.output_ties[j] is not None)
         self.pos = pos = schedule(g, frozenset(unwritten), tied)
         for i, v in enumerate(g.inputs):
-            self.buffers.append(Buffer(root[i], sizes(v, i, 0, True), 0, end, f"input {i}"))
+            self.buffers.append(Buffer(root[i], sizes(v, i, 0), 0, end, f"input {i}"))
         if p.num_inputs and rules.small_temps:
             self.buffers.append(Buffer(root[0], np.full(len(p.strategies[root[0]]),
                                                         rules.small_temps),
@@ -175,11 +175,11 @@ class MemoryModel:
                     continue
                 if len(ties) < len(js):
                     # An output of its own: memory_analysis counts it for the whole program.
-                    self.buffers.append(Buffer(root[m], sizes(v, m, k, True), 0, end,
+                    self.buffers.append(Buffer(root[m], sizes(v, m, k), 0, end,
                                                f"output {js}"))
                 for t in ties:
                     if t not in donated:
-                        self.buffers.append(Buffer(root[t], sizes(g.inputs[t], t, 0, True), 0, end,
+                        self.buffers.append(Buffer(root[t], sizes(g.inputs[t], t, 0), 0, end,
                                                   f"output tied to undonated input {t}"))
                     # Computed in another layout than its input's, the result is a temporary.
                     ka, kb = layouts.keys(
@@ -203,7 +203,7 @@ class MemoryModel:
                 if tuple(spec) == ((0, n_ - 1, *range(1, n_ - 1)) if i == 0
                                    else (n_ - 1, n_ - 2, *range(n_ - 2))):
                     continue
-                nbytes = scale * np.ceil([cost.value_bytes(g.values[v], p.in_spec(m, i, k))
+                nbytes = scale * np.ceil([self.nbytes(g.values[v], p.in_spec(m, i, k))
                                           for k in range(len(p.strategies[root[m]]))])
                 self.buffers.append(Buffer(
                     root[m], nbytes, min(self.first if v in static else end, pos[node.id]),
@@ -231,7 +231,7 @@ class MemoryModel:
                         else ([], []))
         self.buffers += held
         self.copies += copies
-        lay = layouts.Layouts(p, self.scale)
+        lay = layouts.Layouts(p, self.scale, self.nbytes)
         # a dropout mask's reshards, and how long the bits live, as masks.py counts them
         self.masks, counted = masks.masks(self, lay, generated)
         self.mask_copies = frozenset(range(len(self.copies), len(self.copies) + sum(

@@ -78,7 +78,7 @@ def operand_copies(model, readers, virtual) -> list[LiveCopy]:
             may, scattering = model.windows[r]
             dot, m = g.nodes[r], p.num_inputs + r
             j = dot.inputs.index(v)
-            nbytes = np.where(may, [p.cost.value_bytes(g.values[v], p.in_spec(m, j, k))
+            nbytes = np.where(may, [model.nbytes(g.values[v], p.in_spec(m, j, k))
                                     for k in range(len(may))], 0.0)
             n, scatters = scattering[0]  # the first reader: XLA reduces the sum once
             out.append(LiveCopy(root[m], np.zeros(len(may), int),
@@ -99,7 +99,7 @@ def operand_copies(model, readers, virtual) -> list[LiveCopy]:
             v = dot.inputs[j]
             if v not in inputs or list(contract) == [g.values[v].ndim - 1]:
                 continue
-            nbytes = np.where(may, [p.cost.value_bytes(g.values[v], p.in_spec(m, j, k))
+            nbytes = np.where(may, [model.nbytes(g.values[v], p.in_spec(m, j, k))
                                     for k in range(len(may))], 0.0)
             n, scatters = scattering[0]
             out.append(LiveCopy(root[m], np.zeros(len(may), int),
