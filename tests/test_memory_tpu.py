@@ -134,7 +134,7 @@ def test_xla_cpu_only_buffers_are_left_out_on_tpu():
 
 def test_temporaries_are_counted_in_tiles_on_tpu():
     """The TPU compiler holds a temporary in tiles as it holds an argument: an attention's
-    exp, bf16 [batch, heads, 16, 16] for the tiny GPT, its 16 keys padded to 128 (8x).
+    exp, f32 [batch, heads, 16, 16] for the tiny GPT in bf16, its 16 keys padded to 128 (8x).
     XLA:CPU's rules count it dense. (GPT-2 124M on v5e 16x16 holds each layer's q/k/v, bf16
     [8, 64, 12, 3, 64] a chip, in tiles: 4.5 MiB for 2.25, compilers.Rules.tiled.)"""
     m = get_model("gpt", "tiny", abstract=True, **BF16)
