@@ -613,8 +613,9 @@ at a time on the 2 cores:
     below the searched plan's (6.60 ms against 7.08), its collectives 17% above (4.77 against
     4.09), and optimal_seconds charges no ICI time
 
-The Llama on 4x4 and on 2x4 and the MoE on 4x4: every expert priced as in the tables above to
-the hundredth of a millisecond (their completions had not been starved); all checks hold.
+Every other case on 4x4 and 2x4 (`--cases X --meshes M`, one run each): every expert priced
+as in the tables above to the hundredth of a millisecond (their completions had not been
+starved); all checks hold.
 """
 
 from __future__ import annotations
