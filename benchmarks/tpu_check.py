@@ -17,8 +17,12 @@ A config case (llama2-7b, llama2-70b: configs/*-tpu-v5e-*.yaml, issue 31) is pla
 config says (model, mesh, budget, remat, time limit) and compiles the searched plan (the
 search's own compiled check of its budget) and MaxText's configuration only (check_config).
 
+The searched plan is planned as a user's shardplan.auto(memory_budget=HBM) plans it (checked
+once compiled); each expert plan is completed by the ILP with the whole time limit, as the
+CLI's comparison completes it (check()), not with what the search left of it.
+
 A TPU compile at these sizes takes one to several minutes on 2 cores: the whole table takes
-about an hour. Needs libtpu (`pip install -e ".[tpu]"`).
+about two hours. Needs libtpu (`pip install -e ".[tpu]"`).
 
 Measured 2026-11-28 on v5e 2x4 (libtpu 0.0.42.1, jax 0.10.2; budget 15.75 GiB; `--cases X
 --meshes 2x4`, one run per model; GPT-2 and MoE with the memory model and optimal_seconds of
