@@ -617,7 +617,8 @@ at a time on the 2 cores:
     below the searched plan's (6.60 ms against 7.08), its collectives 17% above (4.77 against
     4.09), and optimal_seconds charges no ICI time
 
-Every other case on 4x4 and 2x4 (`--cases X --meshes M`, one run each): every expert priced
+Every other case on 4x4 and 2x4, and GPT-2 on 16x16 (`--cases X --meshes M`, one run each;
+16x16: search 66 s, the experts completed and all compiled 235 s): every expert priced
 as in the tables above to the hundredth of a millisecond (their completions had not been
 starved); all checks hold.
 """
